@@ -1,0 +1,277 @@
+"""The one typed configuration of a RollFlow run. Every default lives here.
+
+YAML presets under ``configs/`` fill it; ``a.b=value`` overrides on the command line change it; unknown
+keys, wrong types and bad values are rejected at load (``configs.loader``) before any work starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class RunConfig(Section):
+    name: str = Field("rollflow", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run name: names the Ray actors, the MLflow run and the default run directory."""
+    dir: str | None = None
+    """Run directory (local path or s3://…) for checkpoints and the final model. Default: runs/<name>."""
+    seed: int = 0
+    """Seeds model init, data order and sampling; same seed → same final weights, resumed or not."""
+    torch_threads: int = Field(0, ge=0)
+    """Torch intra-op threads per engine actor; 0 keeps torch's default (the core count)."""
+
+    @property
+    def resolved_dir(self) -> str:
+        return self.dir or f"runs/{self.name}"
+
+
+class TinyModelConfig(Section):
+    hidden_size: int = Field(128, gt=0)
+    """Hidden width of the tiny Qwen2 model."""
+    num_layers: int = Field(4, gt=0)
+    """Decoder layers."""
+    num_heads: int = Field(4, gt=0)
+    """Attention heads."""
+    num_kv_heads: int = Field(2, gt=0)
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: int = Field(512, gt=0)
+    """MLP width."""
+    max_position_embeddings: int = Field(128, gt=0)
+    """Longest prompt + response the model supports."""
+    vocab_size: int = Field(64, gt=2)
+    """Upper bound on the BPE vocabulary trained on the task's text."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.num_heads % self.num_kv_heads or self.hidden_size % self.num_heads:
+            raise ValueError("num_kv_heads must divide num_heads and num_heads must divide hidden_size")
+        return self
+
+
+class ModelConfig(Section):
+    source: Literal["hf", "tiny"] = "hf"
+    """hf: load `path` (local folder or hub id); tiny: build a tiny Qwen2 model and tokenizer offline."""
+    path: str | None = None
+    """HF model folder or hub id (source: hf)."""
+    tiny: TinyModelConfig = TinyModelConfig()
+    """Shape of the tiny model (source: tiny)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of every engine."""
+
+    @model_validator(mode="after")
+    def _path_for_hf(self):
+        if self.source == "hf" and not self.path:
+            raise ValueError("source 'hf' needs model.path (a local folder or a hub id); or set model.source=tiny")
+        return self
+
+
+class ArithmeticConfig(Section):
+    num_train: int = Field(2000, gt=0)
+    """Training problems."""
+    num_heldout: int = Field(200, gt=0)
+    """Held-out problems, disjoint from training, used by evaluate."""
+    max_operand: int = Field(99, gt=0)
+    """Operands are drawn from 0..max_operand."""
+    ops: list[Literal["+", "-", "*"]] = ["+"]
+    """Operators to draw from."""
+
+    @model_validator(mode="after")
+    def _enough_problems(self):
+        n = self.max_operand + 1
+        distinct = sum(n * (n + 1) // 2 if op == "-" else n * n for op in set(self.ops))
+        if self.num_train + self.num_heldout > distinct:
+            raise ValueError(f"num_train + num_heldout = {self.num_train + self.num_heldout} but only {distinct} distinct "
+                             f"problems exist for max_operand={self.max_operand}; raise max_operand or ask for fewer rows")
+        return self
+
+
+class DataConfig(Section):
+    source: Literal["arithmetic", "files"] = "arithmetic"
+    """arithmetic: the built-in generator; files: datasets loaded from train_path / heldout_path."""
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+    """Generator settings (source: arithmetic)."""
+    train_path: str | None = None
+    """jsonl, parquet or a saved dataset folder with prompt/answer columns (source: files)."""
+    heldout_path: str | None = None
+    """Same schema, for evaluation (source: files)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    answer_key: str = "answer"
+    """Column holding the reference answer the reward checks."""
+
+    @model_validator(mode="after")
+    def _paths_for_files(self):
+        if self.source == "files" and not (self.train_path and self.heldout_path):
+            raise ValueError("source 'files' needs data.train_path and data.heldout_path")
+        return self
+
+
+class RewardConfig(Section):
+    name: str = "math"
+    """Registered reward function (engines.rewards)."""
+
+    @model_validator(mode="after")
+    def _known(self):
+        from engines.rewards import reward_names
+
+        if self.name not in reward_names():
+            raise ValueError(f"unknown reward {self.name!r}; registered: {', '.join(reward_names())}")
+        return self
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = "hf"
+    """Inference backend."""
+    prompts_per_step: int = Field(8, gt=0)
+    """Prompts drawn per RL step."""
+    group_size: int = Field(8, gt=0)
+    """Completions sampled per prompt (GRPO's G)."""
+    max_new_tokens: int = Field(8, gt=0)
+    """Longest completion."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; the trainer scores tokens under the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Keep the k most likely tokens; 0 disables."""
+    stop: list[str] = []
+    """Extra single-token stop strings besides EOS."""
+
+
+def _check_options(registry, name: str, options: dict, what: str) -> None:
+    """Reject option names the registered function does not take (they would be silently ignored)."""
+    fn = registry.get(name)
+    allowed = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+    allowed -= {"agg"}  # its own field: algorithm.agg
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"options: {', '.join(sorted(allowed)) or 'none'}"
+        raise ValueError(f"{what} {name!r} has no option {unknown[0]!r}; {hint}")
+
+
+class AlgorithmConfig(Section):
+    advantage: str = "grpo"
+    """Advantage estimator (engines.algorithms.advantages)."""
+    advantage_options: dict[str, float | bool | int] = {}
+    """Keyword options of the estimator, e.g. {norm_by_std: true, eps: 1e-6}."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss (engines.algorithms.losses)."""
+    loss_options: dict[str, float | bool | int] = {}
+    """Keyword options of the loss, e.g. {clip_low: 0.2, clip_high: 0.28}."""
+    agg: str = "token-mean"
+    """Loss aggregation mode (engines.algorithms.aggregation)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL-to-reference loss term; > 0 starts a frozen reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator (engines.algorithms.kl): k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+
+    @model_validator(mode="after")
+    def _registered(self):
+        from engines.algorithms import advantages, aggregation, kl, losses
+
+        for module, name, what in ((advantages, self.advantage, "advantage estimator"), (losses, self.policy_loss, "policy loss"),
+                                   (aggregation, self.agg, "aggregation mode"), (kl, self.kl_estimator, "KL estimator")):
+            if name not in module.names():
+                raise ValueError(f"unknown {what} {name!r}; registered: {', '.join(module.names())}")
+        _check_options(advantages.ADV_ESTIMATORS, self.advantage, self.advantage_options, "advantage estimator")
+        _check_options(losses.POLICY_LOSSES, self.policy_loss, self.loss_options, "policy loss")
+        return self
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR after warmup."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final LR as a fraction of lr (linear/cosine)."""
+
+
+class TrainConfig(Section):
+    engine: Literal["torch"] = "torch"
+    """Training backend."""
+    steps: int = Field(20, gt=0)
+    """RL steps (one optimizer step each)."""
+    micro_batch_size: int = Field(16, gt=0)
+    """Rows per forward/backward; gradients accumulate over the step's batch."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer of the policy."""
+
+
+class SFTConfig(Section):
+    steps: int = Field(100, gt=0)
+    """Optimizer steps of the supervised warm start."""
+    batch_size: int = Field(32, gt=0)
+    """Examples per step."""
+    micro_batch_size: int = Field(32, gt=0)
+    """Rows per forward/backward."""
+    optim: OptimConfig = OptimConfig(lr=1e-3)
+    """Optimizer of the warm start."""
+
+
+class EvalConfig(Section):
+    every: int = Field(10, ge=0)
+    """Evaluate on the held-out split every N RL steps (and before the first and after the last); 0 = only at the ends."""
+    num_prompts: int | None = Field(None, gt=0)
+    """Held-out prompts to score; None = all."""
+    temperature: float = Field(0.0, ge=0)
+    """0 = greedy decoding."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(10, gt=0)
+    """Checkpoint every N RL steps, and always after the last."""
+    keep: int = Field(2, gt=0)
+    """Complete checkpoints kept; older ones are deleted after a newer manifest is written."""
+
+
+class TrackingConfig(Section):
+    experiment: str = "rollflow"
+    """MLflow experiment name."""
+    sample_every: int = Field(10, ge=0)
+    """Log a table of sample generations every N steps; 0 = never."""
+    num_samples: int = Field(8, gt=0)
+    """Rows in each sample table."""
+    log_model: bool = True
+    """Log the final model folder as an MLflow artifact."""
+
+
+class SyncConfig(Section):
+    bucket_mb: int = Field(64, gt=0)
+    """Weight sync bucket size in MiB."""
+
+
+class Config(Section):
+    """A full run: optional SFT warm start, then RLVR."""
+
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig(source="tiny")
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    sft: SFTConfig | None = None
+    """Supervised warm start before RL; omit to start RL from model as given."""
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    sync: SyncConfig = SyncConfig()

@@ -1,0 +1,106 @@
+"""Load a Hugging Face causal LM and tokenizer, or build a tiny one offline.
+
+``build_tiny_model`` makes a Qwen2-architecture model from a small config and trains a byte-level BPE
+tokenizer on the task's own text with ``tokenizers``; both are saved in HF format (``model.safetensors``),
+so every later stage loads them by path exactly like a hub model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of a tiny Qwen2 model; the vocabulary comes from the trained tokenizer."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 128
+    vocab_size: int = 64  # upper bound for the BPE trainer
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE tokenizer that splits digits one by one (arithmetic stays learnable)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, EOS_TOKEN], show_progress=False)
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN)
+
+
+def build_tiny_model(out_dir: str | os.PathLike, texts: Iterable[str], spec: TinyModelSpec, seed: int) -> Path:
+    """Train a tokenizer on ``texts``, initialise a Qwen2 model with ``seed`` and save both to ``out_dir``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = train_tokenizer(texts, spec.vocab_size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)  # a crash never leaves a half-written model folder behind
+    return out
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, dtype: str = "float32", trainable: bool = True):
+    """Any HF causal LM by local path or hub id."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def stop_token_ids(tokenizer, stop_strings: Iterable[str] = ()) -> tuple[int, ...]:
+    """EOS plus every stop string that is a single token of this tokenizer."""
+    ids = {tokenizer.eos_token_id}
+    for text in stop_strings:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"stop string {text!r} is {len(encoded)} tokens; stop strings must be single tokens")
+        ids.add(encoded[0])
+    return tuple(sorted(i for i in ids if i is not None))

@@ -1,0 +1,185 @@
+"""Plain-torch training engine: one process, CPU or one GPU.
+
+``train_step`` runs micro-batches with gradient accumulation, clips the gradient norm, steps AdamW and
+the LR schedule. The loss is passed in (``engines.algorithms.objective``), so the engine knows nothing
+of the algorithm. ``save``/``load`` cover model, optimizer, scheduler and RNG states through fsspec.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import fsspec
+import numpy as np
+import torch
+
+from engines.models import load_model, load_tokenizer
+from engines.training.logprobs import batched_logprobs, token_logprobs
+from engines.types import Rollouts, TrainBatch, build_train_batch
+from engines.weight_sync import Bucket, pack_buckets, weights_checksum
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    """AdamW and its LR schedule: linear warmup, then constant, linear or cosine decay to ``min_lr_ratio``."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | linear | cosine
+    total_steps: int = 1
+    min_lr_ratio: float = 0.0
+
+
+def lr_multiplier(step: int, spec: OptimSpec) -> float:
+    """LR factor after ``step`` optimizer steps."""
+    if step < spec.warmup_steps:
+        return (step + 1) / spec.warmup_steps
+    if spec.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.total_steps - spec.warmup_steps))
+    decay = 1.0 - progress if spec.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return spec.min_lr_ratio + (1.0 - spec.min_lr_ratio) * decay
+
+
+def _write_bytes(uri: str, payload: bytes) -> None:
+    with fsspec.open(uri, "wb") as f:
+        f.write(payload)
+
+
+def _torch_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _read_torch(uri: str):
+    with fsspec.open(uri, "rb") as f:
+        return torch.load(io.BytesIO(f.read()), weights_only=False)
+
+
+class TorchTrainEngine:
+    """Trainable policy (or critic) model with its optimizer. Lives in a Ray actor."""
+
+    def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
+                 torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        torch.manual_seed(seed)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_model(model_path, dtype=dtype, trainable=True)
+        self.optim_spec = optim
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, optim))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token logprobs of ``batch.input_ids`` under the current weights, [B, L]."""
+        self.model.eval()
+        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature)
+
+    def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
+        """One optimizer step over ``batch`` split into micro-batches; returns averaged metrics."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for micro in batch.micro_batches(self.micro_batch_size):
+            weight = loss_fn.micro_weight(micro, batch)
+            logprobs, entropy = token_logprobs(
+                self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
+            )
+            loss, metrics = loss_fn(logprobs=logprobs, entropy=entropy, batch=micro)
+            (loss * weight).backward()
+            for key, value in {**metrics, "train/loss": float(loss.detach())}.items():
+                totals[key] = totals.get(key, 0.0) + weight * value
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_spec.grad_clip)
+        totals["train/lr"] = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        totals["train/grad_norm"] = float(grad_norm)
+        totals["train/tokens"] = float(batch.attention_mask.sum())
+        return totals
+
+    # -- weights -------------------------------------------------------------------------------------
+    def export_weights(self, bucket_bytes: int = 64 << 20) -> list[Bucket]:
+        return pack_buckets(self.model.named_parameters(), bucket_bytes)
+
+    def weights_checksum(self) -> str:
+        return weights_checksum(self.model)
+
+    def optimizer_steps(self) -> int:
+        return int(self.scheduler.last_epoch)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def save(self, uri: str) -> list[str]:
+        """Write model, optimizer, scheduler and RNG state under ``uri`` (a folder, local or s3://)."""
+        from safetensors.torch import save
+
+        state = {name: p.detach().contiguous() for name, p in self.model.named_parameters()}  # tied weights once
+        files = {
+            "model.safetensors": save(state),
+            "optimizer.pt": _torch_bytes(self.optimizer.state_dict()),
+            "scheduler.pt": _torch_bytes(self.scheduler.state_dict()),
+            "rng.pt": _torch_bytes({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}),
+        }
+        for name, payload in files.items():
+            _write_bytes(f"{uri}/{name}", payload)
+        return sorted(files)
+
+    def load(self, uri: str) -> str:
+        """Restore what ``save`` wrote; returns the loaded weights' checksum."""
+        from safetensors.torch import load
+
+        with fsspec.open(f"{uri}/model.safetensors", "rb") as f:
+            state = load(f.read())
+        params = dict(self.model.named_parameters())
+        if set(state) != set(params):
+            raise ValueError(f"checkpoint {uri} does not match the model: "
+                             f"missing={sorted(set(params) - set(state))} unexpected={sorted(set(state) - set(params))}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(_read_torch(f"{uri}/optimizer.pt"))
+        self.scheduler.load_state_dict(_read_torch(f"{uri}/scheduler.pt"))
+        rng = _read_torch(f"{uri}/rng.pt")
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        return weights_checksum(self.model)
+
+    def save_pretrained(self, local_dir: str) -> str:
+        """Final model in HF format (``model.safetensors`` + tokenizer) in a local folder."""
+        self.model.save_pretrained(local_dir, safe_serialization=True)
+        self.tokenizer.save_pretrained(local_dir)
+        return local_dir
+
+
+class ReferenceEngine:
+    """Frozen copy of the initial policy; scores sequences for the KL term."""
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0,
+                 micro_batch_size: int = 8, temperature: float = 1.0) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.model = load_model(model_path, dtype=dtype, trainable=False).eval()
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature)
+
+    def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
+        """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``."""
+        return self.logprobs(build_train_batch(rollouts, pad_token_id=0))  # pads are masked out

@@ -1,0 +1,101 @@
+"""Typed values that move between engines: sampling settings, rollouts, training batches.
+
+Shapes use B = rows (prompts × group size), P = padded prompt length, T = padded response length,
+L = P + T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the inference engine samples. ``temperature == 0`` means greedy decoding."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0  # seeds the sampling generator: same seed + weights + prompts → same completions
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """Completions of a batch of prompts, as the inference engine returns them.
+
+    Row ``i`` continues ``prompt_ids[i]``. Responses are right-padded with ``pad_token_id``.
+    ``logprobs`` are log-softmax of ``logits / temperature`` (temperature 1 when greedy) at the sampled
+    token, before top-k/top-p filtering; 0 past ``response_lengths``.
+    """
+
+    prompt_ids: list[list[int]]  # B lists of prompt token ids (unpadded)
+    response_ids: torch.Tensor  # [B, T] int64
+    logprobs: torch.Tensor  # [B, T] float32
+    response_lengths: torch.Tensor  # [B] int64, tokens generated including a stop token
+    finish_reasons: list[str]  # B of "stop" | "length"
+    completions: list[str]  # B decoded responses, stop token stripped
+    weights_version: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_lengths.sum())
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Left-aligned sequences ``prompt ++ response`` for the training engine.
+
+    Row ``i`` holds its prompt at ``[0, p_i)`` and its response at ``[p_i, p_i + r_i)``, right-padded.
+    Every per-token tensor is aligned with ``input_ids``: entry ``t`` of ``logprobs`` is the log-probability
+    of ``input_ids[:, t]`` given tokens before it (entry 0 is 0).
+    """
+
+    input_ids: torch.Tensor  # [B, L] int64
+    attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
+    response_mask: torch.Tensor  # [B, L] float32, 1 on response tokens
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token [B, L] floats: advantages, old_logprobs, ref_logprobs…
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: slice | torch.Tensor) -> "TrainBatch":
+        """Rows ``rows`` of every tensor, trimmed to the longest remaining sequence."""
+        length = int(self.attention_mask[rows].sum(-1).max())
+        cut = lambda t: t[rows][:, :length]  # noqa: E731
+        return TrainBatch(
+            input_ids=cut(self.input_ids),
+            attention_mask=cut(self.attention_mask),
+            response_mask=cut(self.response_mask),
+            tensors={k: cut(v) for k, v in self.tensors.items()},
+        )
+
+    def micro_batches(self, size: int):
+        """Consecutive row chunks of at most ``size`` rows, each trimmed to its own longest sequence."""
+        for start in range(0, len(self), size):
+            yield self.select(slice(start, start + size))
+
+    def with_tensors(self, **tensors: torch.Tensor) -> "TrainBatch":
+        return TrainBatch(self.input_ids, self.attention_mask, self.response_mask, {**self.tensors, **tensors})
+
+
+def build_train_batch(rollouts: Rollouts, pad_token_id: int) -> TrainBatch:
+    """Join each prompt with its response into a left-aligned, right-padded TrainBatch."""
+    rows = len(rollouts.prompt_ids)
+    lengths = [len(p) + int(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_lengths)]
+    width = max(lengths)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    response_mask = torch.zeros((rows, width), dtype=torch.float32)
+    old_logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    for i, prompt in enumerate(rollouts.prompt_ids):
+        p, r = len(prompt), int(rollouts.response_lengths[i])
+        input_ids[i, :p] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[i, p : p + r] = rollouts.response_ids[i, :r]
+        attention_mask[i, : p + r] = 1
+        response_mask[i, p : p + r] = 1.0
+        old_logprobs[i, p : p + r] = rollouts.logprobs[i, :r]
+    return TrainBatch(input_ids, attention_mask, response_mask, {"rollout_logprobs": old_logprobs})

@@ -1,0 +1,64 @@
+"""What every flow needs before its first task: Ray, the run directory, the data rows, the base model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+from configs.schema import Config
+from engines import checkpoint_store as store
+from engines.actors import NAMESPACE
+
+
+def ensure_ray() -> None:
+    """Join ``RAY_ADDRESS`` if set, else start a local Ray in this process."""
+    if ray.is_initialized():
+        return
+    verbose = bool(os.environ.get("ROLLFLOW_VERBOSE"))
+    ray.init(
+        address=os.environ.get("RAY_ADDRESS") or None,
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=verbose,
+        configure_logging=verbose,
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                                  "TRANSFORMERS_VERBOSITY": "error"}},
+    )
+
+
+def load_rows(config: Config) -> tuple[list[dict], list[dict]]:
+    """``(train_rows, heldout_rows)``, each row ``{"prompt", "answer", …}``."""
+    data = config.data
+    if data.source == "arithmetic":
+        from engines.data.arithmetic import make_arithmetic_splits
+
+        a = data.arithmetic
+        return make_arithmetic_splits(num_train=a.num_train, num_heldout=a.num_heldout, max_operand=a.max_operand,
+                                      ops=tuple(a.ops), seed=config.run.seed)
+    from engines.data.prompts import load_prompt_rows
+
+    keys = dict(prompt_key=data.prompt_key, answer_key=data.answer_key)
+    return load_prompt_rows(data.train_path, **keys), load_prompt_rows(data.heldout_path, **keys)
+
+
+def base_model_path(config: Config, train_rows: list[dict]) -> str:
+    """The model the run starts from: ``model.path``, or a tiny model built once into the run directory."""
+    if config.model.source == "hf":
+        return config.model.path
+    from engines.models import TinyModelSpec, build_tiny_model
+
+    out = Path(config.run.resolved_dir) / "base_model"
+    if not (out / "config.json").exists():
+        texts = [row["prompt"] + row["answer"] for row in train_rows]
+        build_tiny_model(out, texts, TinyModelSpec(**config.model.tiny.model_dump()), seed=config.run.seed)
+    return str(out)
+
+
+def final_dir(config: Config) -> str:
+    return store.join(config.run.resolved_dir, "final")
+
+
+def is_finished(config: Config) -> bool:
+    return store.read_json(store.join(final_dir(config), store.MANIFEST)) is not None

@@ -1,0 +1,61 @@
+"""Supervised fine-tuning on ``prompt → answer`` pairs: the warm start before RL.
+
+Next-token cross-entropy on the answer (+EOS) tokens only, AdamW, one Prefect task per step.
+The stage is short and deterministic: it is complete once ``<run>/sft_model/MANIFEST.json`` exists;
+an interrupted stage reruns from its start and reaches the same weights.
+
+Launch on its own: ``rollflow run configs/quickstart.yaml`` runs it before RL when ``sft:`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import ray
+from prefect import flow
+
+from configs.schema import Config
+from flows.setup import load_rows
+from engines import checkpoint_store as store
+from engines.actors import start_engine, stop_engine
+from engines.algorithms.objective import SFTObjective
+from engines.data.sampler import take
+from engines.training.torch import OptimSpec
+from tasks.progress import StageProgress
+from tasks.tracking import RunTracker
+from tasks.train import sft_train
+
+
+@flow(name="sft", persist_result=False)
+def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: str) -> str:
+    """Train ``model_path`` with SFT on the training rows; returns the folder of the tuned HF model."""
+    sft = config.sft
+    train_rows, _ = load_rows(config)
+    out = store.join(config.run.resolved_dir, "sft_model")
+    if store.read_json(store.join(out, store.MANIFEST)):
+        return out
+    tracker = RunTracker(tracking_uri, mlflow_run_id)
+    optim = OptimSpec(**sft.optim.model_dump(), total_steps=sft.steps)
+    trainer = start_engine("train/torch", run_name=config.run.name, role="sft-trainer", model_path=model_path,
+                           optim=optim, dtype=config.model.dtype, seed=config.run.seed,
+                           torch_threads=config.run.torch_threads, micro_batch_size=sft.micro_batch_size)
+    objective = SFTObjective()
+    progress = StageProgress("sft", sft.steps, keys=("sft/nll",))
+    position = 0
+    for step in range(1, sft.steps + 1):
+        indices, position = take(len(train_rows), position, sft.batch_size, seed=config.run.seed + 1)
+        rows = [train_rows[i] for i in indices]
+        metrics = sft_train(trainer, model_path, [r["prompt"] for r in rows], [r["answer"] for r in rows], objective)
+        tracker.log_step("sft", step, metrics, flush=step % 10 == 0)
+        progress.update(step, metrics)
+    progress.close()
+    tracker.flush()
+    tmp = f"{out}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ray.get(trainer.save_pretrained.remote(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    store.write_manifest(out, sft.steps, ["config.json", "model.safetensors"])
+    stop_engine(trainer)
+    return out

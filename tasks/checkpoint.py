@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import ray
+from prefect import task
+
+from engines import checkpoint_store as store
+from tasks.common import TASK_DEFAULTS
+
+
+@task(name="checkpoint", retries=0, **TASK_DEFAULTS)
+def checkpoint(train_engine, run_dir: str, step: int, state: dict, keep: int) -> str:
+    """Save engine state and ``state`` (data position, MLflow run id, …), then the manifest, then prune.
+
+    Any failed write raises before the manifest exists, so the previous checkpoint stays the newest."""
+    uri = store.step_dir(run_dir, step)
+    files = [f"policy/{name}" for name in ray.get(train_engine.save.remote(store.join(uri, "policy")))]
+    store.write_json(store.join(uri, "state.json"), {**state, "step": step})
+    store.write_manifest(uri, step, [*files, "state.json"])
+    store.prune(run_dir, keep)
+    return uri
+
+
+@task(name="restore", retries=0, **TASK_DEFAULTS)
+def restore(train_engine, checkpoint_uri: str) -> dict:
+    """Load engine state from a complete checkpoint; returns its ``state.json``."""
+    ray.get(train_engine.load.remote(store.join(checkpoint_uri, "policy")))
+    return store.read_json(store.join(checkpoint_uri, "state.json"))
+
+
+@task(name="save_final", retries=0, **TASK_DEFAULTS)
+def save_final(train_engine, final_dir: str, state: dict) -> str:
+    """The trained model in HF format (model.safetensors + tokenizer) and the run's final ``state.json``
+    at ``final_dir``, manifest last: its presence marks the run finished."""
+    import os
+    import shutil
+
+    tmp = f"{final_dir}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ray.get(train_engine.save_pretrained.remote(tmp))
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(tmp, final_dir)
+    store.write_json(store.join(final_dir, "state.json"), state)
+    store.write_manifest(final_dir, state["step"], ["config.json", "model.safetensors", "state.json"])
+    return final_dir

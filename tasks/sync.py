@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import ray
+from prefect import task
+
+from tasks.common import TASK_DEFAULTS
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@task(name="sync_weights", retries=1, **TASK_DEFAULTS)
+def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: int) -> str:
+    """Push the trainer's weights to every rollout engine and verify them by checksum.
+
+    Idempotent (the same weights and version again), so one retry is allowed."""
+    buckets_ref = train_engine.export_weights.remote(bucket_mb << 20)
+    expected_ref = train_engine.weights_checksum.remote()
+    received = ray.get([engine.update_weights.remote(version, buckets_ref) for engine in rollout_engines])
+    expected = ray.get(expected_ref)
+    bad = [i for i, checksum in enumerate(received) if checksum != expected]
+    if bad:
+        raise WeightSyncError(f"weight sync v{version}: rollout engines {bad} hold other weights than the trainer")
+    return expected
