@@ -13,6 +13,7 @@ ENGINE_CLASSES = {
     "rollout/hf": "engines.inference.hf:HFInferenceEngine",
     "train/torch": "engines.training.torch:TorchTrainEngine",
     "reference/torch": "engines.training.torch:ReferenceEngine",
+    "reward/worker": "engines.rollout_ops:RewardWorker",
 }
 
 

@@ -75,6 +75,13 @@ def build_tiny_model(out_dir: str | os.PathLike, texts: Iterable[str], spec: Tin
     return out
 
 
+def set_torch_threads(threads: int = 0) -> int:
+    """Use ``threads`` intra-op threads, or every core when 0 (Ray sets OMP_NUM_THREADS=1 in actors)."""
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

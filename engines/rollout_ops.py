@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import time
+
 import torch
 
 from engines.algorithms import advantages
@@ -17,6 +19,7 @@ from engines.types import Rollouts, TrainBatch, build_train_batch
 
 def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, list], reward: str):
     """Reward each completion; returns ``(rewards [B], summary)``. Inputs are per-row (already repeated)."""
+    start = time.perf_counter()
     reward_fn = get_reward(reward)
     rewards = torch.tensor(reward_fn(prompts, rollouts.completions, **columns), dtype=torch.float32)
     lengths = rollouts.response_lengths.float()
@@ -28,6 +31,8 @@ def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, li
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": sum(r == "length" for r in rollouts.finish_reasons) / len(rollouts.finish_reasons),
         "rollout/tokens": float(lengths.sum()),
+        "perf/generate_compute_s": rollouts.compute_seconds,
+        "perf/score_compute_s": time.perf_counter() - start,
     }
     return rewards, summary
 
@@ -66,3 +71,20 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     summary = {"advantage/mean": float(adv[mask].mean()), "advantage/abs_mean": float(adv[mask].abs().mean())}
     return batch, summary
 
+
+
+class RewardWorker:
+    """Ray actor that scores rollouts and builds advantage batches next to the object store.
+
+    An actor rather than Ray tasks: its imports (reward libraries) happen once, at start, in parallel
+    with the model engines, and calls never hit a cold worker."""
+
+    def __init__(self) -> None:
+        import engines.rewards  # noqa: F401  (register and warm up every reward)
+
+    def score(self, rollouts: Rollouts, prompts: list[str], columns: dict[str, list], reward: str):
+        return score_rollouts(rollouts, prompts, columns, reward)
+
+    def advantage_batch(self, rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor,
+                        spec: AdvantageSpec, ref_logprobs: torch.Tensor | None = None):
+        return advantage_batch(rollouts, rewards, group_ids, spec, ref_logprobs)

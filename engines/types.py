@@ -39,6 +39,7 @@ class Rollouts:
     finish_reasons: list[str]  # B of "stop" | "length"
     completions: list[str]  # B decoded responses, stop token stripped
     weights_version: int
+    compute_seconds: float = 0.0  # wall time inside the engine's generate call
 
     @property
     def num_tokens(self) -> int:

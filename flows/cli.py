@@ -37,6 +37,34 @@ def _load(config: str, overrides: list[str]):
         raise typer.Exit(2) from None
 
 
+def _start_services(cfg) -> None:
+    """Start the embedded services side by side instead of one after another: Prefect's temporary server
+    (when no PREFECT_API_URL) and MLflow's sqlite schema in threads while Ray starts in this thread."""
+    import threading
+
+    from flows.setup import ensure_ray
+    from tasks.tracking import tracking_uri
+
+    def prefect_server() -> None:
+        from prefect.server.api.server import SubprocessASGIServer  # the instance Prefect's client reuses
+
+        SubprocessASGIServer().start(timeout=int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+
+    def mlflow_schema() -> None:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(tracking_uri=tracking_uri(cfg.run.resolved_dir)).search_experiments(max_results=1)
+
+    threads = [threading.Thread(target=mlflow_schema, daemon=True)]
+    if not os.environ.get("PREFECT_API_URL"):
+        threads.append(threading.Thread(target=prefect_server, daemon=True))
+    for thread in threads:
+        thread.start()
+    ensure_ray()
+    for thread in threads:
+        thread.join()
+
+
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
@@ -49,7 +77,10 @@ def run(config: str = typer.Argument(..., help="YAML preset (path or name under 
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     from flows.pipeline import run_flow
+    from flows.setup import is_finished
 
+    if not is_finished(cfg):
+        _start_services(cfg)
     result = run_flow(cfg)
     accuracy = result["heldout_accuracy"]
     if result["already_finished"]:

@@ -43,12 +43,13 @@ class RLEngines:
     rollout: object
     trainer: object
     reference: object | None
+    reward_worker: object
     pad_token_id: int
     stop_token_ids: tuple[int, ...]
 
 
 def start_rl_engines(config: Config, model_path: str) -> RLEngines:
-    """Rollout engine, trainer and (when ``kl_coef > 0``) a frozen reference, as named Ray actors."""
+    """Rollout engine, trainer, reward worker and (when ``kl_coef > 0``) a frozen reference, as named Ray actors."""
     from engines.models import load_tokenizer, stop_token_ids
 
     common = dict(run_name=config.run.name, model_path=model_path, dtype=config.model.dtype,
@@ -62,15 +63,17 @@ def start_rl_engines(config: Config, model_path: str) -> RLEngines:
     if config.algorithm.kl_coef > 0:
         reference = start_engine("reference/torch", role="reference", micro_batch_size=config.train.micro_batch_size,
                                  temperature=temperature, **common)
+    reward_worker = start_engine("reward/worker", run_name=config.run.name, role="reward")
     tokenizer = load_tokenizer(model_path)
-    return RLEngines(rollout, trainer, reference, tokenizer.pad_token_id, stop_token_ids(tokenizer, config.rollout.stop))
+    return RLEngines(rollout, trainer, reference, reward_worker, tokenizer.pad_token_id,
+                     stop_token_ids(tokenizer, config.rollout.stop))
 
 
 def heldout_eval(config: Config, engines: RLEngines, heldout_rows: list[dict]):
     rows = heldout_rows[: config.eval.num_prompts] if config.eval.num_prompts else heldout_rows
     sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.eval.temperature,
                               stop_token_ids=engines.stop_token_ids, seed=config.run.seed)
-    return evaluate(engines.rollout, rows, sampling, config.reward.name)
+    return evaluate(engines.rollout, engines.reward_worker, rows, sampling, config.reward.name)
 
 
 @flow(name="rlvr", persist_result=False)
@@ -114,10 +117,10 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
         with timed(metrics, "time/generate"):
             rollouts_ref = generate(engines.rollout, prompts, sampling)
         with timed(metrics, "time/score"):
-            rewards_ref, score_metrics = score(rollouts_ref, prompts, columns, cfg.reward.name)
+            rewards_ref, score_metrics = score(engines.reward_worker, rollouts_ref, prompts, columns, cfg.reward.name)
         with timed(metrics, "time/advantages"):
-            batch_ref, advantage_metrics = compute_advantages(rollouts_ref, rewards_ref, group_ids, advantage_spec,
-                                                              engines.reference)
+            batch_ref, advantage_metrics = compute_advantages(engines.reward_worker, rollouts_ref, rewards_ref, group_ids,
+                                                              advantage_spec, engines.reference)
         with timed(metrics, "time/train"):
             train_metrics = train(engines.trainer, batch_ref, objective)
         with timed(metrics, "time/sync_weights"):

@@ -5,16 +5,15 @@ from prefect import task
 
 from engines.types import SamplingParams
 from tasks.common import TASK_DEFAULTS
-from tasks.score import score_remote
 
 
 @task(name="evaluate", retries=1, **TASK_DEFAULTS)
-def evaluate(rollout_engine, rows: list[dict], sampling: SamplingParams, reward: str) -> tuple[float, list[dict]]:
+def evaluate(rollout_engine, reward_worker, rows: list[dict], sampling: SamplingParams, reward: str) -> tuple[float, list[dict]]:
     """Accuracy of the rollout engine's completions on ``rows`` (held-out); returns ``(accuracy, samples)``."""
     prompts = [row["prompt"] for row in rows]
     columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
     rollouts_ref = rollout_engine.generate.remote(prompts, sampling)
-    rewards_ref, summary_ref = score_remote.remote(rollouts_ref, prompts, columns, reward)
+    rewards_ref, summary_ref = reward_worker.score.options(num_returns=2).remote(rollouts_ref, prompts, columns, reward)
     rollouts, rewards = ray.get([rollouts_ref, rewards_ref])
     samples = [
         {"prompt": p, "completion": c, "answer": str(row.get("answer")), "reward": float(r)}

@@ -8,10 +8,11 @@ recomputes, so train/rollout logprobs agree to float rounding.
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 
-from engines.models import load_model, load_tokenizer
+from engines.models import load_model, load_tokenizer, set_torch_threads
 from engines.training.logprobs import position_ids_from_mask
 from engines.types import Rollouts, SamplingParams
 from engines.weight_sync import Bucket, load_buckets, weights_checksum
@@ -34,8 +35,7 @@ class HFInferenceEngine:
     """Rollout engine over a transformers causal LM. Lives in a Ray actor; plain object in tests."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        set_torch_threads(torch_threads)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype, trainable=False).eval()
         params = inspect.signature(self.model.forward).parameters
@@ -67,6 +67,7 @@ class HFInferenceEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> Rollouts:
+        start = time.perf_counter()
         prompt_ids = self.encode(prompts) if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts]
         pad = self.tokenizer.pad_token_id
         rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
@@ -133,4 +134,5 @@ class HFInferenceEngine:
             finish_reasons=finish_reasons,
             completions=completions,
             weights_version=self._version,
+            compute_seconds=time.perf_counter() - start,
         )

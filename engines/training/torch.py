@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,7 +18,7 @@ import fsspec
 import numpy as np
 import torch
 
-from engines.models import load_model, load_tokenizer
+from engines.models import load_model, load_tokenizer, set_torch_threads
 from engines.training.logprobs import batched_logprobs, token_logprobs
 from engines.types import Rollouts, TrainBatch, build_train_batch
 from engines.weight_sync import Bucket, pack_buckets, weights_checksum
@@ -70,8 +71,7 @@ class TorchTrainEngine:
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
                  torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        set_torch_threads(torch_threads)
         torch.manual_seed(seed)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=dtype, trainable=True)
@@ -91,6 +91,7 @@ class TorchTrainEngine:
 
     def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
         """One optimizer step over ``batch`` split into micro-batches; returns averaged metrics."""
+        start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
@@ -109,6 +110,7 @@ class TorchTrainEngine:
         self.scheduler.step()
         totals["train/grad_norm"] = float(grad_norm)
         totals["train/tokens"] = float(batch.attention_mask.sum())
+        totals["perf/train_compute_s"] = time.perf_counter() - start
         return totals
 
     # -- weights -------------------------------------------------------------------------------------
@@ -170,8 +172,7 @@ class ReferenceEngine:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0,
                  micro_batch_size: int = 8, temperature: float = 1.0) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+        set_torch_threads(torch_threads)
         self.model = load_model(model_path, dtype=dtype, trainable=False).eval()
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature

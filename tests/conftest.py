@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny model built once per session, a real local Ray cluster, a real Prefect
+server (Prefect's test harness on 127.0.0.1), and process settings that keep runs quiet and offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("RAY_ADDRESS", None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2 model + tokenizer trained on arithmetic text, saved in HF format."""
+    from engines.data.arithmetic import arithmetic_corpus, make_arithmetic_splits
+    from engines.models import TinyModelSpec, build_tiny_model
+
+    train, _ = make_arithmetic_splits(num_train=300, num_heldout=20, max_operand=30, seed=0)
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    build_tiny_model(out, arithmetic_corpus(train), TinyModelSpec(hidden_size=64, num_layers=2, num_heads=4,
+                                                                   num_kv_heads=2, intermediate_size=128), seed=0)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace="rollflow", log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

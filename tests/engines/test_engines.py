@@ -1,0 +1,145 @@
+"""Inference and training engines on a tiny model: logprob agreement, weight sync, save/load, SFT."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.algorithms.objective import SFTObjective
+from engines.data.sft import sft_batch
+from engines.inference.hf import HFInferenceEngine, filter_logits
+from engines.training.torch import OptimSpec, TorchTrainEngine, lr_multiplier
+from engines.types import SamplingParams, build_train_batch
+from engines.weight_sync import load_buckets, pack_buckets, unpack_bucket, weights_checksum
+
+PROMPTS = ["12+3=", "1+1=", "29+30=", "7+8="]
+
+
+def _perturb(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)[0, 2:]).all()
+    # top_p=0.7: 0.5 alone is < 0.7, 0.5+0.3 crosses it → keep two tokens, drop the rest
+    kept = ~torch.isinf(filter_logits(logits, top_k=0, top_p=0.7))[0]
+    assert kept.tolist() == [True, True, False, False]
+
+
+def test_generation_respects_stop_and_length(tiny_model_dir):
+    engine = HFInferenceEngine(tiny_model_dir)
+    out = engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3))
+    eos = engine.tokenizer.eos_token_id
+    assert out.response_ids.shape[0] == 16 and out.response_ids.shape[1] <= 5
+    for i, reason in enumerate(out.finish_reasons):
+        n = int(out.response_lengths[i])
+        row = out.response_ids[i, :n].tolist()
+        assert (reason == "stop") == (row[-1] == eos)
+        assert eos not in row[:-1]  # nothing generated after a stop token
+        assert (out.logprobs[i, n:] == 0).all() and (out.logprobs[i, :n] < 0).all()
+    again = engine.generate(PROMPTS * 4, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3))
+    assert torch.equal(again.response_ids, out.response_ids)  # seeded sampling is reproducible
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_logprobs_match_rollout_logprobs_after_sync(tiny_model_dir, temperature):
+    rollout = HFInferenceEngine(tiny_model_dir)
+    trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(), temperature=temperature, micro_batch_size=5)
+    _perturb(trainer.model)  # trainer now differs from the rollout engine …
+    assert trainer.weights_checksum() != rollout.weights_checksum()
+    checksum = rollout.update_weights(1, trainer.export_weights(bucket_bytes=1 << 14))  # … until the sync
+    assert checksum == trainer.weights_checksum() and rollout.weights_version() == 1
+    out = rollout.generate(PROMPTS * 3, SamplingParams(max_new_tokens=6, temperature=temperature, top_k=20, seed=1))
+    batch = build_train_batch(out, rollout.tokenizer.pad_token_id)
+    diff = (trainer.logprobs(batch) - batch.tensors["rollout_logprobs"]) * batch.response_mask
+    assert batch.response_mask.sum() > 12
+    assert diff.abs().max() < 1e-4
+
+
+def test_bucketing_round_trip_and_checksum(tiny_model_dir):
+    trainer = TorchTrainEngine(tiny_model_dir, OptimSpec())
+    params = dict(trainer.model.named_parameters())
+    buckets = pack_buckets(params.items(), bucket_bytes=4096)
+    assert len(buckets) > 1
+    assert all(b.data.nbytes <= 4096 or len(b.metas) == 1 for b in buckets)
+    seen = {name: t for b in buckets for name, t in unpack_bucket(b)}
+    assert set(seen) == set(params)
+    assert all(torch.equal(seen[n], p.detach()) for n, p in params.items())
+    other = TorchTrainEngine(tiny_model_dir, OptimSpec())
+    _perturb(other.model)
+    assert weights_checksum(other.model) != weights_checksum(trainer.model)
+    load_buckets(other.model, buckets)
+    assert weights_checksum(other.model) == weights_checksum(trainer.model)
+
+
+def test_lr_schedule():
+    spec = OptimSpec(warmup_steps=2, schedule="linear", total_steps=6, min_lr_ratio=0.0)
+    # warmup: (s+1)/2 → 0.5, 1.0; then linear decay over the 4 remaining steps: 1 - (s-2)/4
+    assert [lr_multiplier(s, spec) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(tiny_model_dir):
+    batch = sft_batch(tiny_model_dir, ["1+2=", "10+20=", "3+4=", "21+9="], ["3", "30", "7", "30"])
+    grads = []
+    for micro in (4, 1):
+        trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-3), micro_batch_size=micro)
+        metrics = trainer.train_step(batch, SFTObjective())
+        grads.append((metrics["sft/nll"], metrics["train/grad_norm"]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
+    assert grads[0][1] == pytest.approx(grads[1][1], rel=1e-4)
+
+
+def test_save_load_restores_model_optimizer_scheduler_and_rng(tiny_model_dir, tmp_path):
+    batch = sft_batch(tiny_model_dir, ["1+2=", "10+20="], ["3", "30"])
+    spec = OptimSpec(lr=1e-3, warmup_steps=3, total_steps=10, schedule="cosine")
+    a = TorchTrainEngine(tiny_model_dir, spec)
+    a.train_step(batch, SFTObjective())
+    files = a.save(str(tmp_path / "ckpt"))
+    assert files == ["model.safetensors", "optimizer.pt", "rng.pt", "scheduler.pt"]
+    torch.manual_seed(123)  # disturb the RNG; load must restore it
+    b = TorchTrainEngine(tiny_model_dir, spec)
+    assert b.load(str(tmp_path / "ckpt")) == a.weights_checksum()
+    assert b.optimizer_steps() == a.optimizer_steps() == 1
+    rng_b = torch.rand(3)
+    a.load(str(tmp_path / "ckpt"))
+    assert torch.equal(rng_b, torch.rand(3))
+    ma, mb = a.train_step(batch, SFTObjective()), b.train_step(batch, SFTObjective())
+    assert ma["train/lr"] == mb["train/lr"]
+    assert a.weights_checksum() == b.weights_checksum()  # identical second step: Adam moments restored
+
+
+def test_sft_lowers_the_loss(tiny_model_dir):
+    torch.manual_seed(0)
+    batch = sft_batch(tiny_model_dir, ["1+2=", "10+20=", "3+4=", "21+9="], ["3", "30", "7", "30"])
+    trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=3e-3))
+    first = trainer.train_step(batch, SFTObjective())["sft/nll"]
+    for _ in range(30):
+        last = trainer.train_step(batch, SFTObjective())["sft/nll"]
+    assert last < 0.5 * first
+    assert (batch.response_mask.sum(-1) == torch.tensor([2, 3, 2, 3])).all()  # answer digits + EOS
+
+
+@pytest.mark.ray
+def test_actors_sync_and_agree_through_ray(tiny_model_dir, ray_cluster):
+    from engines.actors import start_engine, stop_engine
+
+    ray = ray_cluster
+    rollout = start_engine("rollout/hf", run_name="t-engines", role="rollout", model_path=tiny_model_dir)
+    trainer = start_engine("train/torch", run_name="t-engines", role="trainer", model_path=tiny_model_dir,
+                           optim=OptimSpec(lr=1e-2))
+    batch = sft_batch(tiny_model_dir, ["1+2=", "10+20="], ["3", "30"])
+    ray.get(trainer.train_step.remote(batch, SFTObjective()))
+    before = ray.get(rollout.weights_checksum.remote())
+    checksum = ray.get(rollout.update_weights.remote(5, trainer.export_weights.remote(1 << 12)))
+    assert checksum == ray.get(trainer.weights_checksum.remote()) != before
+    out = ray.get(rollout.generate.remote(PROMPTS, SamplingParams(max_new_tokens=4, seed=0)))
+    assert out.weights_version == 5
+    lp = ray.get(trainer.rollout_logprobs.remote(out))
+    built = build_train_batch(out, 0)
+    assert ((lp - built.tensors["rollout_logprobs"]) * built.response_mask).abs().max() < 1e-4
+    for handle in (rollout, trainer):
+        stop_engine(handle)
