@@ -39,29 +39,23 @@ def _load(config: str, overrides: list[str]):
 
 def _start_services(cfg) -> None:
     """Start the embedded services side by side instead of one after another: Prefect's temporary server
-    (when no PREFECT_API_URL) and MLflow's sqlite schema in threads while Ray starts in this thread."""
+    (when no PREFECT_API_URL) comes up in a thread while Ray starts and MLflow's sqlite schema is made here.
+    The thread only waits on the server's subprocess, so no two threads import the same packages."""
     import threading
+
+    from mlflow.tracking import MlflowClient
+    from prefect.server.api.server import SubprocessASGIServer  # the instance Prefect's client reuses
 
     from flows.setup import ensure_ray
     from tasks.tracking import tracking_uri
 
-    def prefect_server() -> None:
-        from prefect.server.api.server import SubprocessASGIServer  # the instance Prefect's client reuses
-
-        SubprocessASGIServer().start(timeout=int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-
-    def mlflow_schema() -> None:
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(tracking_uri=tracking_uri(cfg.run.resolved_dir)).search_experiments(max_results=1)
-
-    threads = [threading.Thread(target=mlflow_schema, daemon=True)]
+    timeout = int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+    thread = threading.Thread(target=lambda: SubprocessASGIServer().start(timeout=timeout), daemon=True)
     if not os.environ.get("PREFECT_API_URL"):
-        threads.append(threading.Thread(target=prefect_server, daemon=True))
-    for thread in threads:
         thread.start()
     ensure_ray()
-    for thread in threads:
+    MlflowClient(tracking_uri=tracking_uri(cfg.run.resolved_dir)).search_experiments(max_results=1)
+    if thread.is_alive():
         thread.join()
 
 

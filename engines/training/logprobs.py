@@ -32,9 +32,8 @@ def token_logprobs(
     picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
     zero = picked.new_zeros(picked.shape[0], 1)
     entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = torch.cat([zero, -(log_probs.exp() * log_probs).sum(-1)], dim=1)
+    if with_entropy:  # differentiable: the entropy bonus trains through it
+        entropy = torch.cat([zero, -(log_probs.exp() * log_probs).sum(-1)], dim=1)
     return torch.cat([zero, picked], dim=1), entropy
 
 

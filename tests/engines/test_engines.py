@@ -143,3 +143,18 @@ def test_actors_sync_and_agree_through_ray(tiny_model_dir, ray_cluster):
     assert ((lp - built.tensors["rollout_logprobs"]) * built.response_mask).abs().max() < 1e-4
     for handle in (rollout, trainer):
         stop_engine(handle)
+
+
+def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_dir):
+    from engines.algorithms.objective import PolicyObjective
+
+    rollout = HFInferenceEngine(tiny_model_dir)
+    out = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=0))
+    batch = build_train_batch(out, rollout.tokenizer.pad_token_id)
+    batch = batch.with_tensors(advantages=torch.zeros_like(batch.response_mask),
+                               old_logprobs=batch.tensors["rollout_logprobs"])
+    norms = {}
+    for coef in (0.0, 0.1):
+        trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-3))
+        norms[coef] = trainer.train_step(batch, PolicyObjective(entropy_coef=coef))["train/grad_norm"]
+    assert norms[0.0] == 0.0 and norms[0.1] > 0.0

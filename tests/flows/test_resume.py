@@ -19,8 +19,10 @@ pytestmark = [pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
+# The entropy bonus gives the untrained model a gradient every step (it earns no reward yet), so the
+# weights, and with them the sampled rollouts, change each step; kl_coef brings in the reference engine.
 OVERRIDES = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=1", "eval.every=4", "run.torch_threads=1",
-             "run.name=resume"]
+             "run.name=resume", "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01"]
 
 
 def _cli(run_dir: Path, prefect_home: Path) -> subprocess.Popen:
@@ -63,6 +65,8 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, ray_cluster, prefec
 
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert a.keys() == b.keys()
+    base = load_file(straight / "base_model" / "model.safetensors")
+    assert all(not (a[k] == base[k]).all() for k in a), "the run did not train"
     assert all((a[k] == b[k]).all() for k in a), "resumed weights differ from the uninterrupted run"
 
     client = MlflowClient(tracking_uri=f"sqlite:///{resumed}/mlflow.db")
