@@ -27,7 +27,7 @@ from engines.rollout_ops import AdvantageSpec
 from engines.training.torch import OptimSpec
 from engines.types import SamplingParams
 from tasks.advantages import compute_advantages
-from tasks.checkpoint import checkpoint, restore, save_final
+from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
 from tasks.generate import generate
@@ -147,7 +147,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
                 checkpoint(engines.trainer, run_dir, step, state, cfg.checkpoint.keep)
     progress.close()
     tracker.flush()
-    final = save_final(engines.trainer, final_dir(cfg), state)
+    final = save_model(engines.trainer, final_dir(cfg), state["step"], state)
     if cfg.tracking.log_model:
         tracker.log_dir(final, "final_model")
     return state

@@ -9,10 +9,6 @@ Launch on its own: ``rollflow run configs/quickstart.yaml`` runs it before RL wh
 
 from __future__ import annotations
 
-import os
-import shutil
-
-import ray
 from prefect import flow
 
 from configs.schema import Config
@@ -22,6 +18,7 @@ from engines.actors import start_engine, stop_engine
 from engines.algorithms.objective import SFTObjective
 from engines.data.sampler import take
 from engines.training.torch import OptimSpec
+from tasks.checkpoint import save_model
 from tasks.progress import StageProgress
 from tasks.tracking import RunTracker
 from tasks.train import sft_train
@@ -51,11 +48,6 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
         progress.update(step, metrics)
     progress.close()
     tracker.flush()
-    tmp = f"{out}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ray.get(trainer.save_pretrained.remote(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    store.write_manifest(out, sft.steps, ["config.json", "model.safetensors"])
+    save_model(trainer, out, sft.steps)
     stop_engine(trainer)
     return out

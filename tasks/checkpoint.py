@@ -27,18 +27,21 @@ def restore(train_engine, checkpoint_uri: str) -> dict:
     return store.read_json(store.join(checkpoint_uri, "state.json"))
 
 
-@task(name="save_final", retries=0, **TASK_DEFAULTS)
-def save_final(train_engine, final_dir: str, state: dict) -> str:
-    """The trained model in HF format (model.safetensors + tokenizer) and the run's final ``state.json``
-    at ``final_dir``, manifest last: its presence marks the run finished."""
+@task(name="save_model", retries=0, **TASK_DEFAULTS)
+def save_model(train_engine, out_dir: str, step: int, state: dict | None = None) -> str:
+    """The engine's model in HF format (model.safetensors + tokenizer) at ``out_dir``, plus ``state.json``
+    when given, manifest last: its presence marks the stage (SFT, or the whole run for ``final/``) done."""
     import os
     import shutil
 
-    tmp = f"{final_dir}.tmp"
+    tmp = f"{out_dir}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     ray.get(train_engine.save_pretrained.remote(tmp))
-    shutil.rmtree(final_dir, ignore_errors=True)
-    os.replace(tmp, final_dir)
-    store.write_json(store.join(final_dir, "state.json"), state)
-    store.write_manifest(final_dir, state["step"], ["config.json", "model.safetensors", "state.json"])
-    return final_dir
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    files = ["config.json", "model.safetensors"]
+    if state is not None:
+        store.write_json(store.join(out_dir, "state.json"), state)
+        files.append("state.json")
+    store.write_manifest(out_dir, step, files)
+    return out_dir
