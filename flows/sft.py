@@ -44,6 +44,8 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
         indices, position = take(len(train_rows), position, sft.batch_size, seed=config.run.seed + 1)
         rows = [train_rows[i] for i in indices]
         metrics = sft_train(trainer, model_path, [r["prompt"] for r in rows], [r["answer"] for r in rows], objective)
+        # the RL stage logs train/… and perf/… at its own step numbers: keep SFT's apart under sft/…
+        metrics = {k if k.startswith("sft/") else "sft/" + k.replace("/", "_"): v for k, v in metrics.items()}
         tracker.log_step("sft", step, metrics, flush=step % 10 == 0)
         progress.update(step, metrics)
     progress.close()

@@ -23,13 +23,14 @@ def test_two_step_flow(tmp_path, ray_cluster, prefect_server):
     # entropy bonus is what gives every parameter a gradient in two steps.
     config = load_config("configs/tiny.yaml", [f"run.dir={run_dir}", "run.name=two-step", "train.steps=2",
                                                "checkpoint.every=1", "eval.every=1", "tracking.sample_every=1",
-                                               "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.01"])
+                                               "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.01",
+                                               "sft.steps=3", "sft.batch_size=8"])
     result = run_flow(config)
 
     assert result["already_finished"] is False
     final = run_dir / "final"
     assert (final / "model.safetensors").exists() and (final / "tokenizer.json").exists()
-    trained, base = load_file(final / "model.safetensors"), load_file(run_dir / "base_model" / "model.safetensors")
+    trained, base = load_file(final / "model.safetensors"), load_file(run_dir / "sft_model" / "model.safetensors")
     changed = [name for name in base if not (trained[name] == base[name]).all()]
     assert len(changed) == len(base)  # every parameter moved
     assert set(result["heldout_accuracy"]) == {"0", "1", "2"}
@@ -44,6 +45,11 @@ def test_two_step_flow(tmp_path, ray_cluster, prefect_server):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2], key
     evals = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/heldout_accuracy"))
     assert evals == [0, 1, 2]  # before the first step, then every step
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/nll")] == [1, 2, 3]
+    for key in run.data.metrics:  # SFT and RL streams never write the same key at the same step
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert len(steps) == len(set(steps)), key
+    assert (run_dir / "sft_model" / "MANIFEST.json").exists()
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "samples", "final_model"} <= artifacts
     samples = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
