@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Any
 
 import ray
@@ -31,11 +32,15 @@ def actor_name(run_name: str, role: str) -> str:
 
 def start_engine(kind: str, *, run_name: str, role: str, num_cpus: float = 0, num_gpus: float = 0,
                  runtime_env: dict | None = None, **kwargs: Any):
-    """Create the named actor ``<run>/<role>``. Actors never restart and their calls never retry:
-    a crash fails the step, and resume goes through the checkpoint instead of a half-updated actor."""
+    """Create the named actor ``<run>/<role>``, replacing one of that name left by an earlier attempt.
+
+    Actors never restart and their calls never retry: a crash fails the step, and resume goes through
+    the checkpoint instead of a half-updated actor."""
     cls = ray.remote(engine_class(kind))
+    name = actor_name(run_name, role)
+    _kill_named(name)  # left over from an attempt that died in this cluster: its state is not the checkpoint's
     return cls.options(
-        name=actor_name(run_name, role),
+        name=name,
         namespace=NAMESPACE,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
@@ -43,6 +48,21 @@ def start_engine(kind: str, *, run_name: str, role: str, num_cpus: float = 0, nu
         max_task_retries=0,
         runtime_env=runtime_env,
     ).remote(**kwargs)
+
+
+def _kill_named(name: str, timeout_s: float = 30.0) -> None:
+    try:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # the name frees once the kill has gone through
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"actor {name!r} from an earlier attempt did not stop within {timeout_s:.0f}s")
 
 
 def stop_engine(handle) -> None:

@@ -20,7 +20,7 @@ from prefect import flow
 from configs.schema import Config
 from flows.setup import final_dir, load_rows
 from engines import checkpoint_store as store
-from engines.actors import start_engine
+from engines.actors import start_engine, stop_engine
 from engines.algorithms.objective import PolicyObjective
 from engines.data.sampler import take
 from engines.rollout_ops import AdvantageSpec
@@ -46,6 +46,11 @@ class RLEngines:
     reward_worker: object
     pad_token_id: int
     stop_token_ids: tuple[int, ...]
+
+    def stop(self) -> None:
+        for handle in (self.rollout, self.trainer, self.reference, self.reward_worker):
+            if handle is not None:
+                stop_engine(handle)
 
 
 def start_rl_engines(config: Config, model_path: str) -> RLEngines:
@@ -143,13 +148,13 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
         progress.update(step, metrics)
 
         if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-            with timed(metrics, "time/checkpoint"):
-                checkpoint(engines.trainer, run_dir, step, state, cfg.checkpoint.keep)
+            checkpoint(engines.trainer, run_dir, step, state, cfg.checkpoint.keep)
     progress.close()
     tracker.flush()
     final = save_model(engines.trainer, final_dir(cfg), state["step"], state)
     if cfg.tracking.log_model:
         tracker.log_dir(final, "final_model")
+    engines.stop()
     return state
 
 

@@ -138,10 +138,14 @@ def test_actors_sync_and_agree_through_ray(tiny_model_dir, ray_cluster):
     assert checksum == ray.get(trainer.weights_checksum.remote()) != before
     out = ray.get(rollout.generate.remote(PROMPTS, SamplingParams(max_new_tokens=4, seed=0)))
     assert out.weights_version == 5
-    lp = ray.get(trainer.rollout_logprobs.remote(out))
     built = build_train_batch(out, 0)
+    lp = ray.get(trainer.logprobs.remote(built))
     assert ((lp - built.tensors["rollout_logprobs"]) * built.response_mask).abs().max() < 1e-4
-    for handle in (rollout, trainer):
+    # the frozen reference still scores with the initial weights, so it disagrees after training
+    reference = start_engine("reference/torch", run_name="t-engines", role="reference", model_path=tiny_model_dir)
+    ref_lp = ray.get(reference.rollout_logprobs.remote(out))
+    assert ((ref_lp - built.tensors["rollout_logprobs"]) * built.response_mask).abs().max() > 1e-3
+    for handle in (rollout, trainer, reference):
         stop_engine(handle)
 
 
@@ -158,3 +162,19 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_
         trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-3))
         norms[coef] = trainer.train_step(batch, PolicyObjective(entropy_coef=coef))["train/grad_norm"]
     assert norms[0.0] == 0.0 and norms[0.1] > 0.0
+
+
+@pytest.mark.ray
+def test_starting_an_engine_replaces_a_leftover_of_the_same_name(tiny_model_dir, ray_cluster):
+    from engines.actors import start_engine, stop_engine
+
+    ray = ray_cluster
+    first = start_engine("train/torch", run_name="t-replace", role="trainer", model_path=tiny_model_dir,
+                         optim=OptimSpec(lr=1e-2))
+    ray.get(first.train_step.remote(sft_batch(tiny_model_dir, ["1+2="], ["3"]), SFTObjective()))
+    second = start_engine("train/torch", run_name="t-replace", role="trainer", model_path=tiny_model_dir,
+                          optim=OptimSpec(lr=1e-2))
+    assert ray.get(second.optimizer_steps.remote()) == 0  # a fresh engine, not the trained leftover
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(first.optimizer_steps.remote())
+    stop_engine(second)
