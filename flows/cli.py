@@ -70,12 +70,14 @@ def run(config: str = typer.Argument(..., help="YAML preset (path or name under 
     cfg = _load(config, overrides or [])
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    from flows.pipeline import run_flow
+    from flows.pipeline import finished_summary, run_flow
     from flows.setup import is_finished
 
-    if not is_finished(cfg):
+    if is_finished(cfg):
+        result = finished_summary(cfg)  # no services to start for a run that is done
+    else:
         _start_services(cfg)
-    result = run_flow(cfg)
+        result = run_flow(cfg)
     accuracy = result["heldout_accuracy"]
     if result["already_finished"]:
         typer.echo(f"run {cfg.run.name!r} already finished: {result['final_dir']}")

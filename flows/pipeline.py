@@ -37,12 +37,17 @@ def summary(config: Config) -> dict:
             "mlflow_run_id": state.get("mlflow_run_id"), "already_finished": False}
 
 
+def finished_summary(config: Config) -> dict:
+    """Summary of a finished run; also closes its MLflow run if the last attempt died just before that."""
+    open_tracking(config).finish()
+    return {**summary(config), "already_finished": True}
+
+
 @flow(name="rollflow-run", persist_result=False)
 def run_flow(config: Config) -> dict:
     """Run (or resume) ``config`` to completion; returns where the model is and its held-out accuracy."""
     if is_finished(config):
-        open_tracking(config).finish()  # in case the last attempt died between final/ and this
-        return {**summary(config), "already_finished": True}
+        return finished_summary(config)
     ensure_ray()
     tracker = open_tracking(config)
     train_rows, _ = load_rows(config)
