@@ -14,7 +14,7 @@ import torch
 
 from engines.algorithms import advantages
 from engines.rewards import get_reward
-from engines.types import Rollouts, TrainBatch, build_train_batch
+from engines.types import Rollouts, build_train_batch
 
 
 def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, list], reward: str):
