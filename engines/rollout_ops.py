@@ -1,14 +1,13 @@
 """Steps between generation and training that run on Ray workers: scoring and advantage batches.
 
-Plain functions over engine types; ``tasks/`` wraps them with ``ray.remote`` so they run next to the
-object store, and tests call them directly.
+Plain functions over engine types; ``RewardWorker`` serves them from a Ray actor next to the object
+store, and tests call them directly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,15 +71,11 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     return batch, summary
 
 
-
 class RewardWorker:
     """Ray actor that scores rollouts and builds advantage batches next to the object store.
 
-    An actor rather than Ray tasks: its imports (reward libraries) happen once, at start, in parallel
-    with the model engines, and calls never hit a cold worker."""
-
-    def __init__(self) -> None:
-        import engines.rewards  # noqa: F401  (register and warm up every reward)
+    An actor rather than Ray tasks: this module's imports (the reward libraries) happen once, when the
+    actor starts in parallel with the model engines, and calls never hit a cold worker."""
 
     def score(self, rollouts: Rollouts, prompts: list[str], columns: dict[str, list], reward: str):
         return score_rollouts(rollouts, prompts, columns, reward)

@@ -41,10 +41,6 @@ class Rollouts:
     weights_version: int
     compute_seconds: float = 0.0  # wall time inside the engine's generate call
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.response_lengths.sum())
-
 
 @dataclass(frozen=True)
 class TrainBatch:

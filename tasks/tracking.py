@@ -84,12 +84,5 @@ class RunTracker:
     def log_dir(self, local_dir: str, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
-    def set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
-
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
-
-    def metric_history(self, key: str) -> dict[int, float]:
-        return {m.step: m.value for m in self.client.get_metric_history(self.run_id, key)}
