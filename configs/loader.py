@@ -82,19 +82,39 @@ def resolve_preset(path: str | Path) -> Path:
     raise ConfigError(f"{path}: no such config file (presets live in {PRESETS_DIR})")
 
 
+def _merge(base: dict, child: dict) -> dict:
+    """``child`` over ``base``; nested mappings merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in child.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """The YAML mapping of ``path``; a top-level ``base: other.yaml`` (relative to this file) is read
+    first and this file's keys are merged over it."""
+    file = resolve_preset(path)
+    source = str(path)
+    try:
+        tree = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}".replace("\n", " ")) from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    base_path = file.parent / base if (file.parent / base).exists() else base
+    if file.resolve() in _seen:
+        raise ConfigError(f"{source}: base: {base}: configs include each other in a loop")
+    return _merge(read_tree(base_path, (*_seen, file.resolve())), tree)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read ``path`` (YAML) if given, apply ``overrides``, validate; raise ``ConfigError`` on any problem."""
+    """Read ``path`` (YAML, with its ``base:`` chain) if given, apply ``overrides``, validate; raise
+    ``ConfigError`` on any problem."""
     source = str(path) if path is not None else "<defaults>"
-    tree: dict = {}
-    if path is not None:
-        file = resolve_preset(path)
-        source = str(path)
-        try:
-            tree = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML: {exc}".replace("\n", " ")) from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    tree: dict = read_tree(path) if path is not None else {}
     overridden: dict[tuple, str] = {}
     for text in overrides:
         keys, value = parse_override(text)

@@ -145,11 +145,8 @@ class RolloutConfig(Section):
     """Extra single-token stop strings besides EOS."""
 
 
-def _check_options(registry, name: str, options: dict, what: str) -> None:
+def _check_options(allowed: set[str], name: str, options: dict, what: str) -> None:
     """Reject option names the registered function does not take (they would be silently ignored)."""
-    fn = registry.get(name)
-    allowed = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
-    allowed -= {"agg"}  # its own field: algorithm.agg
     unknown = sorted(set(options) - allowed)
     if unknown:
         close = difflib.get_close_matches(unknown[0], allowed, n=1)
@@ -157,35 +154,9 @@ def _check_options(registry, name: str, options: dict, what: str) -> None:
         raise ValueError(f"{what} {name!r} has no option {unknown[0]!r}; {hint}")
 
 
-class AlgorithmConfig(Section):
-    advantage: str = "grpo"
-    """Advantage estimator (engines.algorithms.advantages)."""
-    advantage_options: dict[str, float | bool | int] = {}
-    """Keyword options of the estimator, e.g. {norm_by_std: true, eps: 1e-6}."""
-    policy_loss: str = "ppo_clip"
-    """Policy loss (engines.algorithms.losses)."""
-    loss_options: dict[str, float | bool | int] = {}
-    """Keyword options of the loss, e.g. {clip_low: 0.2, clip_high: 0.28}."""
-    agg: str = "token-mean"
-    """Loss aggregation mode (engines.algorithms.aggregation)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL-to-reference loss term; > 0 starts a frozen reference model."""
-    kl_estimator: str = "k3"
-    """KL estimator (engines.algorithms.kl): k1, k2 or k3."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss)."""
-
-    @model_validator(mode="after")
-    def _registered(self):
-        from engines.algorithms import advantages, aggregation, kl, losses
-
-        for module, name, what in ((advantages, self.advantage, "advantage estimator"), (losses, self.policy_loss, "policy loss"),
-                                   (aggregation, self.agg, "aggregation mode"), (kl, self.kl_estimator, "KL estimator")):
-            if name not in module.names():
-                raise ValueError(f"unknown {what} {name!r}; registered: {', '.join(module.names())}")
-        _check_options(advantages.ADV_ESTIMATORS, self.advantage, self.advantage_options, "advantage estimator")
-        _check_options(losses.POLICY_LOSSES, self.policy_loss, self.loss_options, "policy loss")
-        return self
+def _keyword_options(fn, exclude: set[str]) -> set[str]:
+    params = inspect.signature(fn).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty} - exclude
 
 
 class OptimConfig(Section):
@@ -203,6 +174,124 @@ class OptimConfig(Section):
     """LR after warmup."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Final LR as a fraction of lr (linear/cosine)."""
+
+
+class KLConfig(Section):
+    coef: float = Field(0.0, ge=0)
+    """KL weight (beta); > 0 starts a frozen reference model, 0 runs without one."""
+    estimator: str = "k3"
+    """KL estimator (engines.algorithms.kl): k1, k2 or k3."""
+    mode: Literal["loss", "reward"] = "loss"
+    """loss: add coef * KL to the policy loss (GRPO); reward: subtract coef * KL_t from each token's reward (PPO, REINFORCE++)."""
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: coef stays; adaptive: Ziegler et al.'s controller moves coef toward `target` (state is checkpointed)."""
+    target: float = Field(0.1, gt=0)
+    """Target per-sequence KL of the adaptive controller."""
+    horizon: int = Field(10000, gt=0)
+    """Samples over which the adaptive controller moves coef by about e^0.2."""
+
+    @model_validator(mode="after")
+    def _valid(self):
+        from engines.algorithms import kl
+
+        if self.estimator not in kl.names():
+            raise ValueError(f"unknown KL estimator {self.estimator!r}; registered: {', '.join(kl.names())}")
+        if self.controller == "adaptive" and self.coef == 0:
+            raise ValueError("controller 'adaptive' needs a starting coef > 0 (it multiplies coef)")
+        return self
+
+
+class ShapingConfig(Section):
+    reward_norm: str = "none"
+    """Sequence reward normalisation before the estimator: none, batch, group or running (std of every reward so far)."""
+    reward_clip: float = Field(0.0, ge=0)
+    """Clip sequence rewards to [-reward_clip, reward_clip]; 0 = off."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong penalty: ramp from 0 to -overlong_penalty_factor over the last N tokens before max_new_tokens; 0 = off."""
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """Scale of the overlong penalty."""
+    length_penalty: float = Field(0.0, ge=0)
+    """Subtract length_penalty * response_length / max_new_tokens from each reward; 0 = off."""
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated responses (hit max_new_tokens) are left out of the loss."""
+    whiten_advantages: bool = False
+    """Normalise advantages to zero mean, unit variance over the batch's response tokens."""
+    advantage_clip: float = Field(0.0, ge=0)
+    """Clip advantages to [-advantage_clip, advantage_clip]; 0 = off."""
+
+    @model_validator(mode="after")
+    def _known(self):
+        from engines.algorithms.shaping import REWARD_NORMS
+
+        if self.reward_norm not in REWARD_NORMS.names():
+            raise ValueError(f"unknown reward_norm {self.reward_norm!r}; registered: {', '.join(REWARD_NORMS.names())}")
+        return self
+
+
+class DynamicSamplingConfig(Section):
+    enabled: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose rewards are all equal, sample more prompts to refill the batch."""
+    max_rounds: int = Field(3, ge=1)
+    """Generation rounds per step at most (each draws prompts_per_step prompts); a batch still short after them trains as is."""
+
+
+class CriticConfig(Section):
+    warmup_steps: int = Field(0, ge=0)
+    """Steps that train only the critic before the policy starts to move."""
+    clip_range: float = Field(0.2, ge=0)
+    """Clip of the value update around the scoring-time values (0 = unclipped MSE)."""
+    optim: OptimConfig = OptimConfig(lr=1e-4)
+    """Optimizer of the critic."""
+
+
+class AlgorithmConfig(Section):
+    advantage: str = "grpo"
+    """Advantage estimator (engines.algorithms.advantages); gae starts a critic engine."""
+    advantage_options: dict[str, float | bool | int] = {}
+    """Keyword options of the estimator, e.g. {norm_by_std: true, eps: 1e-6}; see docs/algorithms.md."""
+    policy_loss: str = "ppo_clip"
+    """Policy loss (engines.algorithms.losses)."""
+    loss_options: dict[str, float | bool | int] = {}
+    """Keyword options of the loss, e.g. {clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0, tis_cap: 2.0}."""
+    agg: str = "token-mean"
+    """Loss aggregation mode (engines.algorithms.aggregation)."""
+    agg_norm: int | None = Field(None, gt=0)
+    """Constant normaliser of seq-mean-token-sum-norm (Dr.GRPO); None = rollout.max_new_tokens."""
+    old_logprobs: Literal["rollout", "trainer"] = "rollout"
+    """Old logprobs of the ratio: the rollout engine's, or recomputed by the trainer (then tis_cap can correct the mismatch)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    kl: KLConfig = KLConfig()
+    """KL to a frozen reference: estimator, weight, loss term or reward penalty, fixed or adaptive."""
+    shaping: ShapingConfig = ShapingConfig()
+    """Reward and advantage shaping around the estimator."""
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    """DAPO dynamic sampling."""
+    critic: CriticConfig = CriticConfig()
+    """The value model of PPO (advantage: gae only)."""
+
+    @model_validator(mode="after")
+    def _registered(self):
+        from engines.algorithms import advantages, aggregation, losses
+
+        for module, name, what in ((advantages, self.advantage, "advantage estimator"), (losses, self.policy_loss, "policy loss"),
+                                   (aggregation, self.agg, "aggregation mode")):
+            if name not in module.names():
+                close = difflib.get_close_matches(name, module.names(), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"unknown {what} {name!r}; {hint}registered: {', '.join(module.names())}")
+        _check_options(_keyword_options(advantages.ADV_ESTIMATORS.get(self.advantage), {"values"}), self.advantage,
+                       self.advantage_options, "advantage estimator")
+        _check_options(losses.option_names(self.policy_loss) - {"agg_options"}, self.policy_loss, self.loss_options,
+                       "policy loss")
+        if self.loss_options.get("tis_cap") and self.old_logprobs == "rollout":
+            raise ValueError("loss_options.tis_cap corrects the trainer/rollout mismatch, but with old_logprobs 'rollout' "
+                             "both are the same; set algorithm.old_logprobs=trainer")
+        if "critic" in self.model_fields_set and self.advantage != "gae":
+            raise ValueError(f"algorithm.critic is only used by advantage 'gae', not {self.advantage!r}; remove it")
+        if self.agg_norm is not None and self.agg != "seq-mean-token-sum-norm":
+            raise ValueError(f"agg_norm is the normaliser of seq-mean-token-sum-norm; agg is {self.agg!r}")
+        return self
 
 
 class TrainConfig(Section):
@@ -275,3 +364,13 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     sync: SyncConfig = SyncConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        shaping = self.algorithm.shaping
+        if shaping.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ValueError(f"algorithm.shaping.overlong_buffer ({shaping.overlong_buffer}) must be below "
+                             f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        if self.algorithm.dynamic_sampling.enabled and self.rollout.group_size < 2:
+            raise ValueError("dynamic sampling compares rewards within a group; rollout.group_size must be >= 2")
+        return self

@@ -102,6 +102,19 @@ def load_model(path: str, dtype: str = "float32", trainable: bool = True):
     return model
 
 
+def load_value_model(path: str, dtype: str = "float32"):
+    """A critic: the causal LM's backbone with a fresh scalar head per token (``...ForTokenClassification``,
+    ``num_labels=1``). The head starts at zero so the first values are 0, not noise."""
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+    head = model.score if hasattr(model, "score") else model.classifier
+    torch.nn.init.zeros_(head.weight)
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+    return model.train(True)
+
+
 def stop_token_ids(tokenizer, stop_strings: Iterable[str] = ()) -> tuple[int, ...]:
     """EOS plus every stop string that is a single token of this tokenizer."""
     ids = {tokenizer.eos_token_id}

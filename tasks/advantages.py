@@ -4,17 +4,28 @@ import ray
 import torch
 from prefect import task
 
+from engines.algorithms.shaping import RunningMoments
 from engines.rollout_ops import AdvantageSpec
 from tasks.common import TASK_DEFAULTS
 
 
 @task(name="compute_advantages", **TASK_DEFAULTS)
-def compute_advantages(reward_worker, rollouts_ref, rewards_ref, group_ids: list[int], spec: AdvantageSpec,
-                       reference_engine=None):
-    """Build the train batch with advantages (and reference logprobs when a reference model is used);
-    returns ``(batch_ref, summary metrics)``."""
-    ref_logprobs = reference_engine.rollout_logprobs.remote(rollouts_ref) if reference_engine is not None else None
-    batch_ref, summary_ref = reward_worker.advantage_batch.options(num_returns=2).remote(
-        rollouts_ref, rewards_ref, torch.tensor(group_ids), spec, ref_logprobs
+def compute_advantages(reward_worker, rollouts_ref, rewards_ref, group_ids: list[int], spec: AdvantageSpec, *,
+                       reference=None, trainer=None, critic=None, kl_coef: float = 0.0,
+                       moments: RunningMoments | None = None):
+    """Build the train batch with advantages; the engines given score the rollouts first (reference
+    logprobs for KL, the trainer's own logprobs as PPO's old logprobs, the critic's values for GAE).
+
+    Returns ``(batch_ref, summary metrics, running reward moments)``."""
+    scored = {}
+    if reference is not None:
+        scored["ref_logprobs"] = reference.rollout_logprobs.remote(rollouts_ref)
+    if trainer is not None:
+        scored["old_logprobs"] = trainer.rollout_logprobs.remote(rollouts_ref)
+    if critic is not None:
+        scored["values"] = critic.rollout_values.remote(rollouts_ref)
+    batch_ref, summary_ref, moments_ref = reward_worker.advantage_batch.options(num_returns=3).remote(
+        rollouts_ref, rewards_ref, torch.tensor(group_ids), spec, kl_coef=kl_coef, moments=moments, **scored
     )
-    return batch_ref, ray.get(summary_ref)
+    summary, moments = ray.get([summary_ref, moments_ref])
+    return batch_ref, summary, moments

@@ -8,12 +8,14 @@ from tasks.common import TASK_DEFAULTS
 
 
 @task(name="checkpoint", retries=0, **TASK_DEFAULTS)
-def checkpoint(train_engine, run_dir: str, step: int, state: dict, keep: int) -> str:
-    """Save engine state and ``state`` (data position, MLflow run id, …), then the manifest, then prune.
+def checkpoint(train_engines: dict, run_dir: str, step: int, state: dict, keep: int) -> str:
+    """Save each engine's state under its role (``policy/``, ``critic/``) and ``state`` (data position,
+    MLflow run id, …), then the manifest, then prune.
 
     Any failed write raises before the manifest exists, so the previous checkpoint stays the newest."""
     uri = store.step_dir(run_dir, step)
-    files = [f"policy/{name}" for name in ray.get(train_engine.save.remote(store.join(uri, "policy")))]
+    saved = {role: engine.save.remote(store.join(uri, role)) for role, engine in train_engines.items()}
+    files = [f"{role}/{name}" for role, ref in saved.items() for name in ray.get(ref)]
     store.write_json(store.join(uri, "state.json"), {**state, "step": step})
     store.write_manifest(uri, step, [*files, "state.json"])
     store.prune(run_dir, keep)
@@ -21,9 +23,9 @@ def checkpoint(train_engine, run_dir: str, step: int, state: dict, keep: int) ->
 
 
 @task(name="restore", retries=0, **TASK_DEFAULTS)
-def restore(train_engine, checkpoint_uri: str) -> dict:
-    """Load engine state from a complete checkpoint; returns its ``state.json``."""
-    ray.get(train_engine.load.remote(store.join(checkpoint_uri, "policy")))
+def restore(train_engines: dict, checkpoint_uri: str) -> dict:
+    """Load each engine's state (by role) from a complete checkpoint; returns its ``state.json``."""
+    ray.get([engine.load.remote(store.join(checkpoint_uri, role)) for role, engine in train_engines.items()])
     return store.read_json(store.join(checkpoint_uri, "state.json"))
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from engines.algorithms.shaping import masked_whiten
 from engines.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -75,6 +76,34 @@ def group_mean_std(
     return mean[inverse], std[inverse]
 
 
+def group_max(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:  # [B], [B] -> [B]
+    """Each row's group maximum, gathered back to ``[B]``."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    maxima = torch.full((num_groups,), float("-inf"), dtype=scores.dtype).scatter_reduce(0, inverse, scores, "amax")
+    return maxima[inverse]
+
+
+def sequence_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``r_i = sum_t R[i, t] * M[i, t]``, ``[B, L]`` → ``[B]``."""
+    return (token_rewards * response_mask).sum(dim=-1)
+
+
+def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = R_t + gamma * G_{t+1}`` over the response, ``[B, L]`` → ``[B, L]`` (0 outside the mask).
+
+    Vectorised over rows; one reverse pass over ``L``. Response tokens are contiguous, so the
+    recursion runs through the (zero-reward) padding after a response without changing it.
+    """
+    rewards = token_rewards * response_mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # [B]
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * response_mask
+
+
 @register("grpo")
 def grpo(
     *,
@@ -105,10 +134,237 @@ def grpo(
         ``(advantages, returns)``, each ``[B, L]``; for GRPO ``returns`` is ``advantages``.
     """
     with torch.no_grad():
-        scores = (token_rewards * response_mask).sum(dim=-1)  # [B]
+        scores = sequence_scores(token_rewards, response_mask)  # [B]
         mean, std = group_mean_std(scores, group_ids)  # [B], [B]
         seq_advantages = scores - mean  # [B]
         if norm_by_std:
             seq_advantages = seq_advantages / (std + eps)
         advantages = seq_advantages.unsqueeze(-1) * response_mask  # [B, L]
     return advantages, advantages
+
+
+@register("dr_grpo")
+def dr_grpo(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B]
+    values: torch.Tensor | None = None,  # unused
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783, eq. 3)::
+
+        A[i, t] = (r_i - mean_g(r)) * M[i, t]
+
+    GRPO without the std division. The other half of the fix, no per-sequence length normalisation,
+    is the loss aggregation ``seq-mean-token-sum-norm`` (set in ``configs/algorithms/dr_grpo.yaml``).
+    """
+    return grpo(token_rewards=token_rewards, response_mask=response_mask, group_ids=group_ids, norm_by_std=False)
+
+
+@register("rloo")
+def rloo(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B]
+    values: torch.Tensor | None = None,  # unused
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740, eq. 6; Kool et al. 2019)::
+
+        A_i = r_i - (sum_{j in g, j != i} r_j) / (n_g - 1)  =  n_g / (n_g - 1) * (r_i - mean_g(r))
+        A[i, t] = A_i * M[i, t]
+
+    A group of one has no other sample to compare with and gets advantage 0.
+    """
+    with torch.no_grad():
+        scores = sequence_scores(token_rewards, response_mask)  # [B]
+        _, inverse = torch.unique(group_ids, return_inverse=True)
+        counts = torch.bincount(inverse).to(scores.dtype)[inverse]  # [B] n_g
+        sums = torch.zeros_like(scores).index_add_(0, inverse, scores)[inverse]  # [B]
+        baseline = (sums - scores) / (counts - 1).clamp(min=1)  # [B]
+        seq_advantages = torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
+        advantages = seq_advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register("reinforce_pp")
+def reinforce_pp(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B], unused: REINFORCE++ has no group baseline
+    values: torch.Tensor | None = None,  # unused
+    gamma: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262, sec. 3)::
+
+        G[i, t] = sum_{k >= t} gamma^(k - t) R[i, k]      # discounted token returns   [B, L]
+        A       = whiten_batch(G)                          # over every response token of the batch
+
+    ``R`` carries the outcome reward on the last token and, with ``algorithm.kl.mode: reward``, the
+    per-token KL penalty ``-beta * KL_t`` on every token (the paper's token-level KL in the reward).
+
+    Args:
+        gamma: discount of later token rewards.
+        whiten: batch-level normalisation of the returns (the paper's global advantage normalisation).
+
+    Returns:
+        ``(advantages, returns)`` with ``returns = G`` (not whitened).
+    """
+    with torch.no_grad():
+        returns = discounted_returns(token_rewards, response_mask, gamma)
+        advantages = masked_whiten(returns, response_mask) if whiten else returns
+    return advantages, returns
+
+
+@register("reinforce_pp_baseline")
+def reinforce_pp_baseline(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B]
+    values: torch.Tensor | None = None,  # unused
+    gamma: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262 v3+): the group mean reward as baseline::
+
+        G[i, t] = sum_{k >= t} gamma^(k - t) R[i, k]       # [B, L]
+        A[i, t] = whiten_batch(G[i, t] - mean_g(r))        # r_i = sum_t R[i, t] M[i, t]
+
+    The group mean removes the prompt's difficulty (as GRPO does) and the batch whitening replaces
+    GRPO's per-group std, which is unstable for small groups.
+    """
+    with torch.no_grad():
+        returns = discounted_returns(token_rewards, response_mask, gamma)
+        mean, _ = group_mean_std(sequence_scores(token_rewards, response_mask), group_ids)
+        centred = (returns - mean.unsqueeze(-1)) * response_mask
+        advantages = masked_whiten(centred, response_mask) if whiten else centred
+    return advantages, returns
+
+
+@register("lite_ppo")
+def lite_ppo(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B]
+    values: torch.Tensor | None = None,  # unused
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lite PPO's advantage (Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning",
+    arXiv:2508.08221, sec. 5): group-level mean, batch-level std::
+
+        A_i = (r_i - mean_g(r)) / (std_batch(r) + eps)
+        A[i, t] = A_i * M[i, t]
+
+    Paired with token-level loss aggregation (``token-mean``) in ``configs/algorithms/lite_ppo.yaml``.
+    """
+    with torch.no_grad():
+        scores = sequence_scores(token_rewards, response_mask)
+        mean, _ = group_mean_std(scores, group_ids)
+        std = scores.std() if scores.numel() > 1 else torch.tensor(1.0)
+        advantages = ((scores - mean) / (std + eps)).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register("raft_pp")
+def raft_pp(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B]
+    values: torch.Tensor | None = None,  # unused
+    threshold: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RAFT++ (Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning: from Rejection Sampling to
+    Reinforce", arXiv:2504.11343, sec. 2): rejection sampling — learn only from each group's best::
+
+        A_i = 1  if r_i == max_g(r) and r_i > threshold,  else 0
+        A[i, t] = A_i * M[i, t]
+
+    With a 0/1 reward this keeps every correct sample. The "++" (importance ratio with PPO clipping)
+    comes from the ``ppo_clip`` loss it is paired with in ``configs/algorithms/raft_pp.yaml``.
+    """
+    with torch.no_grad():
+        scores = sequence_scores(token_rewards, response_mask)
+        accepted = (scores >= group_max(scores, group_ids)) & (scores > threshold)
+        advantages = accepted.to(token_rewards.dtype).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register("topr")
+def topr(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B], unused
+    values: torch.Tensor | None = None,  # unused
+    baseline: float = 0.0,
+    positive_weight: float = 1.0,
+    negative_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TOPR's signed, separately weighted returns (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE",
+    arXiv:2503.14286, sec. 4)::
+
+        a_i = r_i - baseline
+        A_i = positive_weight * a_i  if a_i >= 0  else  negative_weight * a_i
+        A[i, t] = A_i * M[i, t]
+
+    The baseline decides which samples count as positive (the paper, sec. 5, shows it sets the
+    positive/negative balance); the weights are its dataset re-weighting. The ``topr`` loss then
+    applies no importance ratio to positive samples and a ratio truncated to ``[0, 1]`` to negative ones.
+    """
+    with torch.no_grad():
+        signed = sequence_scores(token_rewards, response_mask) - baseline
+        weighted = torch.where(signed >= 0, positive_weight * signed, negative_weight * signed)
+        advantages = weighted.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register("gae")
+def gae(
+    *,
+    token_rewards: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    group_ids: torch.Tensor,  # [B], unused
+    values: torch.Tensor | None = None,  # [B, L] critic values V(s_t), aligned with the tokens
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16) for PPO::
+
+        V'_t     = V_{t+1} * M_{t+1}               # 0 after the last response token
+        delta_t  = R_t + gamma * V'_t - V_t
+        A_t      = delta_t + gamma * lam * A_{t+1} * M_{t+1}
+        returns  = A + V                            # the critic's regression target
+        A        = whiten_batch(A)                  if whiten
+
+    ``values[:, t]`` is the critic's value of the state before token ``t`` is generated (aligned like
+    logprobs). Vectorised over rows, one reverse pass over ``L``.
+
+    Args:
+        gamma: discount factor.
+        lam: GAE's bias/variance trade-off; 1 gives Monte-Carlo returns minus V, 0 gives one-step TD.
+        whiten: normalise advantages over the batch's response tokens (as in PPO implementations).
+    """
+    if values is None:
+        raise ValueError("gae needs critic values: set algorithm.advantage=gae so the flow starts a critic engine")
+    with torch.no_grad():
+        mask = response_mask
+        rewards, values = token_rewards * mask, values * mask
+        next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # [B, L]: V_{t+1} (0 beyond the response)
+        next_mask = torch.nn.functional.pad(mask[:, 1:], (0, 1))  # [B, L]
+        deltas = rewards + gamma * next_values - values  # [B, L]
+        advantages = torch.zeros_like(rewards)
+        running = torch.zeros_like(rewards[:, 0])  # [B]
+        for t in reversed(range(rewards.shape[1])):
+            running = deltas[:, t] + gamma * lam * running * next_mask[:, t]
+            advantages[:, t] = running
+        advantages = advantages * mask
+        returns = (advantages + values) * mask
+        if whiten:
+            advantages = masked_whiten(advantages, mask)
+    return advantages, returns

@@ -70,3 +70,17 @@ def k3(
     """
     log_ratio = (ref_logprobs - logprobs).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # [B, L]
     return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def adaptive_kl_coef(*, coef: float, observed_kl: float, target_kl: float, horizon: int, num_samples: int) -> float:
+    """Adaptive KL controller (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
+    arXiv:1909.08593, sec. 2.2)::
+
+        e      = clip(observed_kl / target_kl - 1, -0.2, 0.2)
+        coef' = coef * (1 + e * num_samples / horizon)
+
+    ``observed_kl`` is this step's mean per-sequence KL to the reference; ``num_samples`` the rollouts it
+    was measured on; ``horizon`` how many samples it takes to move ``coef`` by a factor ~e^0.2.
+    """
+    error = min(max(observed_kl / target_kl - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * num_samples / horizon)

@@ -1,12 +1,13 @@
 """Policy losses: log-probabilities and advantages ``[B, L]`` → ``(scalar loss, metrics)``.
 
-Every loss is a registered function with keyword-only arguments::
+Every registered loss returns the per-token loss ``[B, L]`` and its metrics; ``compute`` applies the
+optional truncated importance-sampling correction and reduces with an ``aggregation`` mode::
 
     loss, metrics = losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A,
-                                   response_mask=M, agg="token-mean", clip_low=0.2, clip_high=0.2)
+                                   response_mask=M, agg="token-mean", clip_low=0.2, clip_high=0.28)
 
-The per-token loss is reduced with ``aggregation.aggregate(agg, ...)``; ``metrics`` holds detached
-python floats under ``actor/...``.
+Positions outside ``M`` get log-ratio 0 before any ``exp``, so padding can never make an inf or NaN.
+``metrics`` holds detached python floats under ``actor/...`` (token-means over ``M``).
 """
 
 from __future__ import annotations
@@ -18,30 +19,60 @@ import torch
 from engines.algorithms import aggregation
 from engines.registry import Registry
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+TokenLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-POLICY_LOSSES: Registry[LossFn] = Registry("policy loss")
+POLICY_LOSSES: Registry[TokenLossFn] = Registry("policy loss")
 register = POLICY_LOSSES.register
+
+COMMON_OPTIONS = ("agg_options", "tis_cap")
+"""Options ``compute`` takes for every loss (besides ``agg``), on top of each loss's own."""
+
+LOG_RATIO_CLAMP = 20.0
+"""Sequence-level log-ratios are clamped to ``[-20, 20]`` before ``exp``."""
 
 
 def compute(
     name: str,
     *,
-    logprobs: torch.Tensor,  # [B, L]
-    old_logprobs: torch.Tensor,  # [B, L]
+    logprobs: torch.Tensor,  # [B, L] log pi_theta(o_t), requires grad
+    old_logprobs: torch.Tensor,  # [B, L] log pi_old(o_t), the policy the advantages belong to
     advantages: torch.Tensor,  # [B, L]
     response_mask: torch.Tensor,  # [B, L]
+    agg: str = "token-mean",
+    agg_options: dict[str, Any] | None = None,
+    rollout_logprobs: torch.Tensor | None = None,  # [B, L] log pi_rollout(o_t), the inference engine's
+    tis_cap: float = 0.0,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Run the named policy loss; returns ``(loss, metrics)`` with ``loss`` a scalar."""
-    loss_fn = POLICY_LOSSES.get(name)
-    return loss_fn(
+    """Run the named loss, weight it by truncated IS when ``tis_cap > 0``, aggregate with ``agg``.
+
+    Truncated importance sampling for the train/rollout mismatch (Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training", fengyao.notion.site/off-policy-rl)::
+
+        w_t    = min(exp(OLP_t - RLP_t), tis_cap)     # detached; OLP from the trainer, RLP from the sampler
+        loss_t = w_t * loss_t
+
+    Whenever ``rollout_logprobs`` are given, ``mismatch/k3`` (k3 KL of rollout vs trainer policy) and
+    ``mismatch/max_abs_logprob_diff`` are reported, corrected or not.
+    """
+    token_losses, metrics = POLICY_LOSSES.get(name)(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
         advantages=advantages,
         response_mask=response_mask,
         **options,
     )
+    if rollout_logprobs is not None:
+        metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, response_mask))
+    if tis_cap > 0:
+        if rollout_logprobs is None:
+            raise ValueError("tis_cap > 0 needs rollout_logprobs (the inference engine's logprobs)")
+        weights = truncated_is_weights(old_logprobs, rollout_logprobs, response_mask, cap=tis_cap)
+        token_losses = token_losses * weights
+        metrics["actor/tis_weight_mean"] = _token_mean(weights, response_mask)
+    loss = aggregation.aggregate(agg, values=token_losses, mask=response_mask, **(agg_options or {}))
+    metrics["actor/pg_loss"] = float(loss.detach())
+    return loss, metrics
 
 
 def names() -> list[str]:
@@ -49,56 +80,188 @@ def names() -> list[str]:
     return POLICY_LOSSES.names()
 
 
+def option_names(name: str) -> set[str]:
+    """Options ``compute(name, ...)`` accepts: the loss's own keyword options plus ``COMMON_OPTIONS``."""
+    import inspect
+
+    params = inspect.signature(POLICY_LOSSES.get(name)).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty} | set(COMMON_OPTIONS)
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                         cap: float) -> torch.Tensor:
+    """``min(exp(OLP - RLP), cap)`` per token, ``[B, L]``, detached; 1 outside ``mask``."""
+    log_ratio = _masked_log_ratio(old_logprobs.detach(), rollout_logprobs, mask)
+    return torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)).clamp(max=cap)
+
+
+def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler's token logprobs are from the trainer's: k3 KL and the largest gap."""
+    with torch.no_grad():
+        log_ratio = _masked_log_ratio(rollout_logprobs, old_logprobs.detach(), mask)  # log(pi_rollout / pi_train)
+        k3 = torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)) - log_ratio - 1.0
+        return {"mismatch/k3": _token_mean(k3, mask), "mismatch/max_abs_logprob_diff": float((log_ratio.abs() * mask).max())}
+
+
 @register("ppo_clip")
 def ppo_clip(
     *,
-    logprobs: torch.Tensor,  # [B, L] log pi_theta(o_t), requires grad
-    old_logprobs: torch.Tensor,  # [B, L] log pi_old(o_t), from the rollout policy
+    logprobs: torch.Tensor,  # [B, L]
+    old_logprobs: torch.Tensor,  # [B, L]
     advantages: torch.Tensor,  # [B, L]
     response_mask: torch.Tensor,  # [B, L]
-    agg: str = "token-mean",
-    agg_options: dict[str, Any] | None = None,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    dual_clip: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347, eq. 7), as a loss to minimise::
 
         ratio     = exp(LP - OLP)                                           # [B, L]
-        pg_loss1  = -A * ratio                                              # [B, L]
-        pg_loss2  = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)          # [B, L]
-        pg_loss   = aggregate(agg, max(pg_loss1, pg_loss2), M)              # scalar
+        pg_loss1  = -A * ratio
+        pg_loss2  = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)
+        pg_loss   = max(pg_loss1, pg_loss2)
+        pg_loss   = min(pg_loss, -A * dual_clip)   where A < 0, if dual_clip > 0
 
-    ``clip_low != clip_high`` is DAPO's "clip-higher". Positions outside ``M`` get ratio 1, so
-    padding log-probabilities can never make an inf or NaN.
+    ``clip_low != clip_high`` is DAPO's "clip-higher" (Yu et al. 2025, arXiv:2503.14476). Dual-clip
+    (Ye et al. 2020, arXiv:1912.09729, eq. 5) bounds the loss of a negative-advantage token whose ratio
+    has grown far above 1; ``dual_clip`` must then be > 1 (3.0 in the paper).
 
-    Args:
-        agg: an ``aggregation`` mode, e.g. ``token-mean`` or ``seq-mean-token-sum-norm`` (Dr.GRPO).
-        agg_options: extra options for that mode, e.g. ``{"norm": 4096}``.
-        clip_low: the ratio is clipped below at ``1 - clip_low``.
-        clip_high: the ratio is clipped above at ``1 + clip_high``.
-
-    Metrics (token-means over ``M``, detached floats):
-        ``actor/pg_loss``: the aggregated loss.
-        ``actor/clipfrac``: fraction of response tokens where ``pg_loss2 > pg_loss1`` (the clip is active).
-        ``actor/approx_kl``: token-mean of ``0.5 * (LP - OLP)^2`` (the k2 estimator, as in OpenAI baselines).
-        ``actor/ratio_mean``: token-mean of ``ratio``.
+    Metrics: ``actor/clipfrac`` (fraction of tokens where the clip is active), ``actor/dual_clipfrac``,
+    ``actor/approx_kl`` (token-mean of ``0.5 * (LP - OLP)^2``), ``actor/ratio_mean``.
     """
-    is_response = response_mask > 0  # [B, L]
-    log_ratio = torch.where(is_response, logprobs - old_logprobs, torch.zeros_like(logprobs))  # [B, L]
+    if dual_clip and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {dual_clip}")
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, response_mask)  # [B, L]
     ratio = torch.exp(log_ratio)  # [B, L]
-    pg_losses1 = -advantages * ratio  # [B, L]
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)  # [B, L]
-    pg_losses = torch.maximum(pg_losses1, pg_losses2)  # [B, L]
-    pg_loss = aggregation.aggregate(agg, values=pg_losses, mask=response_mask, **(agg_options or {}))
-
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    dual_clipped = torch.zeros_like(pg_losses, dtype=torch.bool)
+    if dual_clip:
+        pg_losses3 = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (pg_losses > pg_losses3)
+        pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses, pg_losses3), pg_losses)
     with torch.no_grad():
         metrics = {
-            "actor/pg_loss": pg_loss.item(),
-            "actor/clipfrac": _token_mean((pg_losses2 > pg_losses1).to(pg_losses.dtype), response_mask),
+            "actor/clipfrac": _token_mean((pg_losses2 > pg_losses1).float(), response_mask),
+            "actor/dual_clipfrac": _token_mean(dual_clipped.float(), response_mask),
             "actor/approx_kl": _token_mean(0.5 * log_ratio.square(), response_mask),
             "actor/ratio_mean": _token_mean(ratio, response_mask),
         }
-    return pg_loss, metrics
+    return pg_losses, metrics
+
+
+@register("gspo")
+def gspo(
+    *,
+    logprobs: torch.Tensor,  # [B, L]
+    old_logprobs: torch.Tensor,  # [B, L]
+    advantages: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO, sequence-level importance ratio and clipping (Zheng et al. 2025, arXiv:2507.18071, eq. 5-7),
+    in its token form GSPO-token (eq. 13), whose gradient equals GSPO's when ``A`` is constant per row::
+
+        log s_i   = (1 / |o_i|) * sum_t M[i, t] (LP - OLP)[i, t]          # [B] length-normalised
+        s[i, t]   = exp(sg(log s_i) + LP[i, t] - sg(LP[i, t]))             # value s_i, gradient of LP
+        loss[i,t] = max(-A * s, -A * clamp(s, 1 - clip_low, 1 + clip_high))
+
+    Pair with ``agg: seq-mean-token-mean`` (the paper's per-sequence mean). The paper's clip range is
+    tiny (3e-4 / 4e-4) because ``s_i`` is a geometric mean over the response.
+
+    Metrics: ``actor/clipfrac`` (fraction of sequences clipped), ``actor/seq_ratio_mean``.
+    """
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, response_mask)  # [B, L]
+    lengths = response_mask.sum(-1).clamp(min=1)  # [B]
+    seq_log_ratio = ((log_ratio * response_mask).sum(-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()  # [B, L]
+    ratio = torch.exp(torch.where(response_mask > 0, token_log_ratio, torch.zeros_like(token_log_ratio)))
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    with torch.no_grad():
+        has_tokens = (response_mask.sum(-1) > 0).float()  # [B]
+        seq_clipped = ((pg_losses2 > pg_losses1).float() * response_mask).amax(-1)  # [B]
+        metrics = {
+            "actor/clipfrac": float((seq_clipped * has_tokens).sum() / has_tokens.sum().clamp(min=1)),
+            "actor/seq_ratio_mean": float((seq_log_ratio.exp() * has_tokens).sum() / has_tokens.sum().clamp(min=1)),
+        }
+    return pg_losses, metrics
+
+
+@register("topr")
+def topr(
+    *,
+    logprobs: torch.Tensor,  # [B, L]
+    old_logprobs: torch.Tensor,  # [B, L]
+    advantages: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, L]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Tapered Off-Policy REINFORCE (Le Roux et al. 2025, arXiv:2503.14286, eq. 9)::
+
+        rho_i     = exp(sum_t M[i, t] (LP - OLP)[i, t])                    # [B] sequence ratio
+        c_i       = 1                     if A_i >= 0   (positive: SFT-like, no ratio)
+                  = sg(clamp(rho_i, 0, 1)) if A_i < 0   (negative: ratio truncated at 1)
+        loss[i,t] = -c_i * A[i, t] * LP[i, t]
+
+    Positive samples are pushed up at full strength however unlikely they became; negative ones are
+    pushed down only while still likely, which keeps the update stable off-policy without a KL term.
+    Use with the ``topr`` advantage (signed, separately weighted returns).
+
+    Metrics: ``actor/negative_frac`` (share of rows with ``A < 0``), ``actor/negative_weight_mean``.
+    """
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, response_mask)
+    seq_log_ratio = (log_ratio * response_mask).sum(-1).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+    negative = (advantages * response_mask).sum(-1) < 0  # [B]
+    weights = torch.where(negative, seq_log_ratio.exp().clamp(max=1.0), torch.ones_like(seq_log_ratio))  # [B]
+    masked_logprobs = torch.where(response_mask > 0, logprobs, torch.zeros_like(logprobs))
+    pg_losses = -weights.unsqueeze(-1) * advantages * masked_logprobs
+    with torch.no_grad():
+        metrics = {
+            "actor/negative_frac": float(negative.float().mean()),
+            "actor/negative_weight_mean": float(weights[negative].mean()) if negative.any() else 1.0,
+        }
+    return pg_losses, metrics
+
+
+def value_loss(
+    *,
+    values: torch.Tensor,  # [B, L] V_phi(s_t), requires grad
+    old_values: torch.Tensor,  # [B, L] the critic's values when the rollout was scored
+    returns: torch.Tensor,  # [B, L] regression targets (GAE returns)
+    response_mask: torch.Tensor,  # [B, L]
+    clip_range: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss (Schulman et al. 2017; as in OpenAI baselines ``ppo2``), per token::
+
+        V_clip = OV + clamp(V - OV, -clip_range, clip_range)
+        loss   = 0.5 * max((V - ret)^2, (V_clip - ret)^2)
+
+    ``clip_range == 0`` disables clipping. Returns the per-token loss ``[B, L]`` and metrics
+    ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/explained_variance``.
+    """
+    losses_unclipped = (values - returns).square()
+    if clip_range > 0:
+        clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        losses_clipped = (clipped_values - returns).square()
+        token_losses = 0.5 * torch.maximum(losses_unclipped, losses_clipped)
+        clipfrac = _token_mean((losses_clipped > losses_unclipped).float(), response_mask)
+    else:
+        token_losses, clipfrac = 0.5 * losses_unclipped, 0.0
+    with torch.no_grad():
+        mask = response_mask > 0
+        target, predicted = returns[mask], values[mask]
+        explained = 1.0 - float((target - predicted).var() / target.var()) if mask.sum() > 1 and target.var() > 0 else 0.0
+        metrics = {"critic/vf_clipfrac": clipfrac, "critic/vpred_mean": _token_mean(values, response_mask),
+                   "critic/explained_variance": explained}
+    return token_losses, metrics
+
+
+def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``LP - OLP`` on response tokens, 0 elsewhere (so ``exp`` never sees padding values)."""
+    return torch.where(mask > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
 
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

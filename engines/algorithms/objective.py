@@ -1,7 +1,7 @@
 """Training objectives handed to ``TrainEngine.train_step``: picklable, backend-agnostic callables.
 
-An objective receives the current policy's per-token ``logprobs`` and ``entropy`` for one micro-batch
-and returns ``(loss, metrics)``. ``micro_weight`` says how much of the full batch's loss a micro-batch
+An objective receives the current policy's per-token ``logprobs`` and ``entropy`` (or the critic's
+``values``) for one micro-batch and returns ``(loss, metrics)``. ``micro_weight`` says how much of the full batch's loss a micro-batch
 carries, so gradient accumulation over micro-batches equals one pass over the whole batch.
 """
 
@@ -26,12 +26,16 @@ def micro_weight(agg: str, micro: TrainBatch, full: TrainBatch) -> float:
 class PolicyObjective:
     """``loss = policy_loss(agg) + kl_coef · agg(kl_estimator(logπ, logπ_ref)) − entropy_coef · agg(H)``.
 
-    Reads ``advantages`` and ``old_logprobs`` (and ``ref_logprobs`` when ``kl_coef > 0``) from the batch.
+    Reads ``advantages``, ``old_logprobs`` and ``rollout_logprobs`` (and ``ref_logprobs`` when
+    ``kl_coef > 0``) from the batch. ``kl_coef`` is the KL *loss* term; a KL in the reward is applied
+    before the estimator (``rollout_ops.advantage_batch``) and leaves ``kl_coef`` at 0 here.
+    ``agg_options`` go to the aggregation of every term (e.g. Dr.GRPO's constant ``norm``).
     """
 
     policy_loss: str = "ppo_clip"
     agg: str = "token-mean"
     loss_options: dict = field(default_factory=dict)
+    agg_options: dict = field(default_factory=dict)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -45,18 +49,41 @@ class PolicyObjective:
             advantages=batch.tensors["advantages"],
             response_mask=mask,
             agg=self.agg,
+            agg_options=self.agg_options,
+            rollout_logprobs=batch.tensors.get("rollout_logprobs"),
             **self.loss_options,
         )
         if self.kl_coef > 0:
             kl_tok = kl.compute(self.kl_estimator, logprobs=logprobs, ref_logprobs=batch.tensors["ref_logprobs"])
-            kl_value = aggregation.aggregate(self.agg, values=kl_tok, mask=mask)
+            kl_value = aggregation.aggregate(self.agg, values=kl_tok, mask=mask, **self.agg_options)
             loss = loss + self.kl_coef * kl_value
             metrics["actor/kl"] = float(kl_value.detach())
         if entropy is not None:
-            entropy_value = aggregation.aggregate(self.agg, values=entropy, mask=mask)
+            entropy_value = aggregation.aggregate(self.agg, values=entropy, mask=mask, **self.agg_options)
             metrics["actor/entropy"] = float(entropy_value.detach())
             if self.entropy_coef:
                 loss = loss - self.entropy_coef * entropy_value
+        return loss, metrics
+
+    def micro_weight(self, micro: TrainBatch, full: TrainBatch) -> float:
+        return micro_weight(self.agg, micro, full)
+
+
+@dataclass(frozen=True)
+class ValueObjective:
+    """The critic's ``loss = agg(value_loss(V, V_old, returns))`` (PPO's clipped value regression).
+
+    Reads ``values`` (the critic's values at scoring time) and ``returns`` from the batch."""
+
+    clip_range: float = 0.2
+    agg: str = "token-mean"
+
+    def __call__(self, *, values: torch.Tensor, batch: TrainBatch):
+        token_losses, metrics = losses.value_loss(values=values, old_values=batch.tensors["values"],
+                                                  returns=batch.tensors["returns"], response_mask=batch.response_mask,
+                                                  clip_range=self.clip_range)
+        loss = aggregation.aggregate(self.agg, values=token_losses, mask=batch.response_mask)
+        metrics["critic/vf_loss"] = float(loss.detach())
         return loss, metrics
 
     def micro_weight(self, micro: TrainBatch, full: TrainBatch) -> float:

@@ -2,7 +2,8 @@
 
 ``train_step`` runs micro-batches with gradient accumulation, clips the gradient norm, steps AdamW and
 the LR schedule. The loss is passed in (``engines.algorithms.objective``), so the engine knows nothing
-of the algorithm. ``save``/``load`` cover model, optimizer, scheduler and RNG states through fsspec.
+of the algorithm. ``head="value"`` makes the same engine a critic: a scalar value per token instead of
+log-probabilities, trained by a value objective. ``save``/``load`` cover model, optimizer, scheduler and RNG states through fsspec.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import fsspec
 import numpy as np
 import torch
 
-from engines.models import load_model, load_tokenizer, set_torch_threads
-from engines.training.logprobs import batched_logprobs, token_logprobs
+from engines.models import load_model, load_tokenizer, load_value_model, set_torch_threads
+from engines.training.logprobs import batched_logprobs, batched_values, token_logprobs, token_values
 from engines.types import Rollouts, TrainBatch, build_train_batch
 from engines.weight_sync import Bucket, pack_buckets, weights_checksum
 
@@ -67,14 +68,21 @@ def _read_torch(uri: str):
 
 
 class TorchTrainEngine:
-    """Trainable policy (or critic) model with its optimizer. Lives in a Ray actor."""
+    """Trainable policy (``head="policy"``) or critic (``head="value"``) with its optimizer. Lives in a Ray actor.
+
+    The loss function receives ``logprobs`` and ``entropy`` (policy) or ``values`` (critic), each
+    ``[b, l]`` for one micro-batch, plus the micro-batch itself."""
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
-                 torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0) -> None:
+                 torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
+                 head: str = "policy") -> None:
+        if head not in ("policy", "value"):
+            raise ValueError(f"head must be 'policy' or 'value', got {head!r}")
         set_torch_threads(torch_threads)
         torch.manual_seed(seed)
+        self.head = head
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype=dtype, trainable=True)
+        self.model = load_model(model_path, dtype=dtype, trainable=True) if head == "policy" else load_value_model(model_path, dtype)
         self.optim_spec = optim
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
@@ -89,6 +97,24 @@ class TorchTrainEngine:
         self.model.eval()
         return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature)
 
+    def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
+        """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``: PPO's old logprobs."""
+        return self.logprobs(build_train_batch(rollouts, pad_token_id=0))  # pads are masked out
+
+    @torch.no_grad()
+    def rollout_values(self, rollouts: Rollouts) -> torch.Tensor:
+        """Critic values of ``prompt ++ response`` rows, [B, L], aligned like ``build_train_batch(rollouts)``."""
+        self.model.eval()
+        return batched_values(self.model, build_train_batch(rollouts, pad_token_id=0), self.micro_batch_size)
+
+    def _forward(self, micro: TrainBatch) -> dict[str, torch.Tensor]:
+        if self.head == "value":
+            return {"values": token_values(self.model, micro.input_ids, micro.attention_mask)}
+        logprobs, entropy = token_logprobs(
+            self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
+        )
+        return {"logprobs": logprobs, "entropy": entropy}
+
     def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
         """One optimizer step over ``batch`` split into micro-batches; returns averaged metrics."""
         start = time.perf_counter()
@@ -97,10 +123,7 @@ class TorchTrainEngine:
         totals: dict[str, float] = {}
         for micro in batch.micro_batches(self.micro_batch_size):
             weight = loss_fn.micro_weight(micro, batch)
-            logprobs, entropy = token_logprobs(
-                self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
-            )
-            loss, metrics = loss_fn(logprobs=logprobs, entropy=entropy, batch=micro)
+            loss, metrics = loss_fn(**self._forward(micro), batch=micro)
             (loss * weight).backward()
             for key, value in {**metrics, "train/loss": float(loss.detach())}.items():
                 totals[key] = totals.get(key, 0.0) + weight * value
@@ -111,6 +134,9 @@ class TorchTrainEngine:
         totals["train/grad_norm"] = float(grad_norm)
         totals["train/tokens"] = float(batch.attention_mask.sum())
         totals["perf/train_compute_s"] = time.perf_counter() - start
+        if self.head == "value":  # the critic's metrics live under critic/
+            totals = {k.replace("train/", "critic/", 1): v for k, v in totals.items()}
+            totals["perf/critic_compute_s"] = totals.pop("perf/train_compute_s")
         return totals
 
     # -- weights -------------------------------------------------------------------------------------
