@@ -90,15 +90,16 @@ def option_names(name: str) -> set[str]:
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
                          cap: float) -> torch.Tensor:
-    """``min(exp(OLP - RLP), cap)`` per token, ``[B, L]``, detached; 1 outside ``mask``."""
+    """``min(exp(OLP - RLP), cap)`` per token, ``[B, L]``, detached; ``min(1, cap)`` outside ``mask`` (masked later)."""
     log_ratio = _masked_log_ratio(old_logprobs.detach(), rollout_logprobs, mask)
     return torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)).clamp(max=cap)
 
 
 def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the sampler's token logprobs are from the trainer's: k3 KL and the largest gap."""
+    """How far the sampler's token logprobs are from the trainer's: k3 estimate of KL(pi_rollout || pi_train)
+    (tokens were sampled by the rollout engine, so ``r = pi_train / pi_rollout``) and the largest gap."""
     with torch.no_grad():
-        log_ratio = _masked_log_ratio(rollout_logprobs, old_logprobs.detach(), mask)  # log(pi_rollout / pi_train)
+        log_ratio = _masked_log_ratio(old_logprobs.detach(), rollout_logprobs, mask)  # log r = log(pi_train / pi_rollout)
         k3 = torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)) - log_ratio - 1.0
         return {"mismatch/k3": _token_mean(k3, mask), "mismatch/max_abs_logprob_diff": float((log_ratio.abs() * mask).max())}
 

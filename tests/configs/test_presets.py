@@ -59,7 +59,8 @@ def test_wrong_type_and_bad_value():
 
 
 def test_unknown_registry_names_and_options_are_rejected():
-    assert "unknown advantage estimator 'gea'; registered: grpo" in _error(None, ["algorithm.advantage=gea"])
+    assert "unknown advantage estimator 'gea'; did you mean 'gae'? registered: dr_grpo, gae" in _error(
+        None, ["algorithm.advantage=gea"])
     assert "no option 'clip_hgh'; did you mean 'clip_high'?" in _error(None, ["algorithm.loss_options.clip_hgh=0.3"])
     assert "unknown reward 'maths'" in _error(None, ["reward.name=maths"])
 
@@ -69,6 +70,74 @@ def test_cross_field_checks_say_what_to_change():
     assert "only 36 distinct problems" in _error(None, ["data.arithmetic.max_operand=5"])
 
 
+# ROLL's pitfalls, each rejected here with the fix in the message.
+@pytest.mark.parametrize("overrides, expected", [
+    # An option the chosen loss does not take would be silently ignored (ROLL's TOPR recipe: zero RL loss).
+    (["algorithm.policy_loss=topr", "algorithm.loss_options.clip_low=0.2"], "policy loss 'topr' has no option 'clip_low'"),
+    (["algorithm.advantage=rloo", "algorithm.advantage_options.norm_by_std=false"],
+     "advantage estimator 'rloo' has no option 'norm_by_std'"),
+    # Tensor arguments are not options.
+    (["algorithm.advantage_options.values=1"], "advantage estimator 'grpo' has no option 'values'"),
+    # Critic settings without a critic would do nothing.
+    (["algorithm.critic.warmup_steps=3"], "algorithm.critic is only used by advantage 'gae'"),
+    # Truncated IS between two copies of the same logprobs corrects nothing.
+    (["algorithm.loss_options.tis_cap=2"], "set algorithm.old_logprobs=trainer"),
+    (["algorithm.agg_norm=100"], "agg_norm is the normaliser of seq-mean-token-sum-norm"),
+    (["algorithm.kl.controller=adaptive"], "needs a starting coef > 0"),
+    (["algorithm.kl.estimator=k4"], "unknown KL estimator 'k4'"),
+    (["algorithm.shaping.reward_norm=runing"], "unknown reward_norm 'runing'"),
+    (["algorithm.shaping.overlong_buffer=8"], "overlong_buffer (8) must be below rollout.max_new_tokens (8)"),
+    (["algorithm.dynamic_sampling.enabled=true", "rollout.group_size=1"], "group_size must be >= 2"),
+])
+def test_algorithm_options_that_would_do_nothing_are_rejected(overrides, expected):
+    assert expected in _error(None, overrides)
+
+
+def test_defaults_start_no_reference_and_no_critic():
+    # A KL default that quietly turns on a reference model is a ROLL pitfall: here kl.coef defaults to 0.
+    config = load_config(None)
+    assert config.algorithm.kl.coef == 0.0
+    assert config.algorithm.advantage != "gae"
+
+
+def test_base_chain_merges_mappings_and_replaces_the_rest(tmp_path):
+    (tmp_path / "parent.yaml").write_text("run: {name: parent, seed: 3}\nrollout: {group_size: 4, stop: ['+']}\n")
+    (tmp_path / "child.yaml").write_text("base: parent.yaml\nrun: {name: child}\nrollout: {stop: []}\n")
+    config = load_config(tmp_path / "child.yaml")
+    assert (config.run.name, config.run.seed, config.rollout.group_size, config.rollout.stop) == ("child", 3, 4, [])
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    assert "loop" in _error(tmp_path / "loop.yaml")
+
+
+ALGORITHM_PRESETS = {
+    # preset: (advantage, policy loss, agg, needs a reference, needs a critic)
+    "ppo": ("gae", "ppo_clip", "token-mean", True, True),
+    "grpo": ("grpo", "ppo_clip", "seq-mean-token-mean", True, False),
+    "dr_grpo": ("dr_grpo", "ppo_clip", "seq-mean-token-sum-norm", False, False),
+    "dapo": ("grpo", "ppo_clip", "token-mean", False, False),
+    "gspo": ("grpo", "gspo", "seq-mean-token-mean", False, False),
+    "reinforce_pp": ("reinforce_pp", "ppo_clip", "token-mean", True, False),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", "ppo_clip", "token-mean", True, False),
+    "rloo": ("rloo", "ppo_clip", "seq-mean-token-mean", False, False),
+    "lite_ppo": ("lite_ppo", "ppo_clip", "token-mean", False, False),
+    "raft_pp": ("raft_pp", "ppo_clip", "token-mean", False, False),
+    "topr": ("topr", "topr", "seq-mean-token-sum", False, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHM_PRESETS))
+def test_algorithm_presets_select_what_they_say(name):
+    config = load_config(f"algorithms/{name}")
+    alg = config.algorithm
+    advantage, loss, agg, reference, critic = ALGORITHM_PRESETS[name]
+    assert (alg.advantage, alg.policy_loss, alg.agg) == (advantage, loss, agg)
+    assert (alg.kl.coef > 0, alg.advantage == "gae") == (reference, critic)
+    assert config.run.name == name and config.model.source == "tiny"  # the tiny task, via base: ../tiny.yaml
+    if name == "dapo":
+        assert alg.dynamic_sampling.enabled and alg.loss_options["clip_high"] > alg.loss_options["clip_low"]
+        assert alg.shaping.overlong_buffer > 0
+
+
 def test_missing_file():
     assert "no such config file" in _error("nope/missing.yaml")
 
@@ -76,4 +145,4 @@ def test_missing_file():
 def test_flat_params_cover_every_leaf():
     params = flat_params(load_config(PRESETS_DIR / "tiny.yaml"))
     assert params["rollout.group_size"] == "8"
-    assert params["algorithm.kl_estimator"] == "k3"
+    assert params["algorithm.kl.estimator"] == "k3"

@@ -20,9 +20,9 @@ pytestmark = [pytest.mark.ray]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 # The entropy bonus gives the untrained model a gradient every step (it earns no reward yet), so the
-# weights, and with them the sampled rollouts, change each step; kl_coef brings in the reference engine.
+# weights, and with them the sampled rollouts, change each step; kl.coef brings in the reference engine.
 OVERRIDES = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=1", "eval.every=4", "run.torch_threads=1",
-             "run.name=resume", "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01"]
+             "run.name=resume", "algorithm.entropy_coef=0.01", "algorithm.kl.coef=0.01"]
 
 
 def _cli(run_dir: Path, prefect_home: Path) -> subprocess.Popen:

@@ -18,11 +18,11 @@ def test_two_step_flow(tmp_path, ray_cluster, prefect_server):
     from flows.pipeline import run_flow
 
     run_dir = tmp_path / "run"
-    # kl_coef > 0 brings in the reference engine; the untrained tiny model earns no reward yet, so the
+    # kl.coef > 0 brings in the reference engine; the untrained tiny model earns no reward yet, so the
     # entropy bonus is what gives every parameter a gradient in two steps.
     config = load_config("configs/tiny.yaml", [f"run.dir={run_dir}", "run.name=two-step", "train.steps=2",
                                                "checkpoint.every=1", "eval.every=1", "tracking.sample_every=1",
-                                               "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.01",
+                                               "algorithm.kl.coef=0.01", "algorithm.entropy_coef=0.01",
                                                "sft.steps=3", "sft.batch_size=8"])
     result = run_flow(config)
 

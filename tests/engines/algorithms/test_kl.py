@@ -109,3 +109,50 @@ def test_unknown_name_lists_names():
 def test_unknown_option_is_type_error():
     with pytest.raises(TypeError, match="clamp"):
         kl.compute("k3", logprobs=LP, ref_logprobs=RLP, clamp=10.0)
+
+
+# -- adaptive KL controller -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "observed_kl, expected",
+    [
+        # target 6, horizon 10000, 512 samples -> num_samples / horizon = 0.0512
+        # 9 / 6 - 1 = 0.5, clipped to 0.2: 0.1 * (1 + 0.2 * 0.0512) = 0.1 * 1.01024 = 0.101024
+        (9.0, 0.101024),
+        # 6.6 / 6 - 1 = 0.1 (inside the clip): 0.1 * (1 + 0.1 * 0.0512) = 0.100512
+        (6.6, 0.100512),
+        # on target: e = 0 -> unchanged
+        (6.0, 0.1),
+        # 5.4 / 6 - 1 = -0.1: 0.1 * (1 - 0.00512) = 0.099488
+        (5.4, 0.099488),
+        # 0 / 6 - 1 = -1, clipped to -0.2: 0.1 * (1 - 0.01024) = 0.098976
+        (0.0, 0.098976),
+    ],
+)
+def test_adaptive_kl_coef_hand_worked(observed_kl, expected):
+    coef = kl.adaptive_kl_coef(coef=0.1, observed_kl=observed_kl, target_kl=6.0, horizon=10000, num_samples=512)
+    assert coef == pytest.approx(expected, rel=1e-12)
+
+
+def test_adaptive_kl_coef_matches_loop_reference():
+    # Ziegler et al. 2019, sec. 2.2, iterated over 200 steps of random observed KLs (some far off target).
+    gen = torch.Generator().manual_seed(0)
+    observed = (torch.rand(200, generator=gen, dtype=torch.float64) * 0.3).tolist()
+    samples = torch.randint(16, 1024, (200,), generator=gen).tolist()
+    coef, ref = 0.05, 0.05
+    for kl_t, n in zip(observed, samples):
+        coef = kl.adaptive_kl_coef(coef=coef, observed_kl=kl_t, target_kl=0.1, horizon=5000, num_samples=n)
+        e = kl_t / 0.1 - 1.0
+        e = -0.2 if e < -0.2 else (0.2 if e > 0.2 else e)
+        ref = ref * (1.0 + e * n / 5000)
+        assert coef == pytest.approx(ref, rel=1e-12)
+    assert coef > 0
+
+
+def test_adaptive_kl_coef_moves_toward_target():
+    # Above target the coefficient grows, below it shrinks; one step never moves it by more than
+    # a factor 1 +- 0.2 * num_samples / horizon.
+    up = kl.adaptive_kl_coef(coef=0.2, observed_kl=1.0, target_kl=0.1, horizon=100, num_samples=10)
+    down = kl.adaptive_kl_coef(coef=0.2, observed_kl=0.0, target_kl=0.1, horizon=100, num_samples=10)
+    assert up == pytest.approx(0.2 * 1.02) and down == pytest.approx(0.2 * 0.98)
