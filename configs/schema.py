@@ -176,6 +176,16 @@ class OptimConfig(Section):
     """Final LR as a fraction of lr (linear/cosine)."""
 
 
+class CriticOptimConfig(OptimConfig):
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate of the critic's AdamW (a fresh value head learns faster than the policy)."""
+
+
+class SFTOptimConfig(OptimConfig):
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate of the warm start's AdamW."""
+
+
 class KLConfig(Section):
     coef: float = Field(0.0, ge=0)
     """KL weight (beta); > 0 starts a frozen reference model, 0 runs without one."""
@@ -232,7 +242,8 @@ class DynamicSamplingConfig(Section):
     enabled: bool = False
     """DAPO dynamic sampling: drop prompt groups whose rewards are all equal, sample more prompts to refill the batch."""
     max_rounds: int = Field(3, ge=1)
-    """Generation rounds per step at most (each draws prompts_per_step prompts); a batch still short after them trains as is."""
+    """Generation rounds per step at most (each draws prompts_per_step prompts). A batch still short after them trains on
+    the groups kept so far; only when no group was kept does it fall back to the last round, unfiltered."""
 
 
 class CriticConfig(Section):
@@ -240,7 +251,7 @@ class CriticConfig(Section):
     """Steps that train only the critic before the policy starts to move."""
     clip_range: float = Field(0.2, ge=0)
     """Clip of the value update around the scoring-time values (0 = unclipped MSE)."""
-    optim: OptimConfig = OptimConfig(lr=1e-4)
+    optim: CriticOptimConfig = CriticOptimConfig()
     """Optimizer of the critic."""
 
 
@@ -252,7 +263,7 @@ class AlgorithmConfig(Section):
     policy_loss: str = "ppo_clip"
     """Policy loss (engines.algorithms.losses)."""
     loss_options: dict[str, float | bool | int] = {}
-    """Keyword options of the loss, e.g. {clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0, tis_cap: 2.0}."""
+    """Keyword options of the loss, e.g. {clip_low: 0.2, clip_high: 0.28, dual_clip: 3.0}; tis_cap: 2.0 also needs old_logprobs: trainer."""
     agg: str = "token-mean"
     """Loss aggregation mode (engines.algorithms.aggregation)."""
     agg_norm: int | None = Field(None, gt=0)
@@ -312,7 +323,7 @@ class SFTConfig(Section):
     """Examples per step."""
     micro_batch_size: int = Field(32, gt=0)
     """Rows per forward/backward."""
-    optim: OptimConfig = OptimConfig(lr=1e-3)
+    optim: SFTOptimConfig = SFTOptimConfig()
     """Optimizer of the warm start."""
 
 

@@ -16,7 +16,7 @@ import torch
 from configs.schema import Config
 from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import ValueObjective
-from engines.algorithms.shaping import RunningMoments, informative_groups
+from engines.algorithms.shaping import RunningMoments, refill_rows
 from engines.data.sampler import take
 from engines.inference.hf import HFInferenceEngine
 from engines.models import stop_token_ids
@@ -68,11 +68,12 @@ def run_inprocess(cfg: Config, model_path: str, rows: list[dict], reward_fn: Rew
             rewards = torch.tensor(reward_fn(prompts, rollouts.completions, **columns), dtype=torch.float32)
             if round_index == 0:
                 metrics["reward/mean"] = float(rewards.mean())
-            group_ids = torch.arange(prompts_per_step).repeat_interleave(group)
-            keep = informative_groups(rewards, group_ids) if alg.dynamic_sampling.enabled else torch.ones_like(group_ids, dtype=torch.bool)
-            kept = [j for j in range(prompts_per_step) if keep[j * group]][: prompts_per_step - kept_total]
-            parts.append((rollouts, rewards, [j * group + k for j in kept for k in range(group)]))
-            kept_total += len(kept)
+            if alg.dynamic_sampling.enabled:
+                kept_rows = refill_rows(rewards, group, prompts_per_step - kept_total)
+            else:
+                kept_rows = list(range(len(rewards)))
+            parts.append((rollouts, rewards, kept_rows))
+            kept_total += len(kept_rows) // group
             if kept_total == prompts_per_step:
                 break
         if kept_total:
@@ -80,6 +81,7 @@ def run_inprocess(cfg: Config, model_path: str, rows: list[dict], reward_fn: Rew
             rewards = torch.cat([p[1][p[2]] for p in parts])
         group_ids = torch.arange(kept_total or prompts_per_step).repeat_interleave(group)  # none kept: the last round as drawn
         metrics["dynamic/fill_ratio"] = kept_total / prompts_per_step
+        metrics["dynamic/rounds"] = float(len(parts))
 
         batch, summary, moments = advantage_batch(
             rollouts, rewards, group_ids, spec, kl_coef=kl_coef, moments=moments,

@@ -30,7 +30,7 @@ from engines import checkpoint_store as store
 from engines.actors import start_engine, stop_engine
 from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import PolicyObjective, ValueObjective
-from engines.algorithms.shaping import RunningMoments, ShapingSpec, informative_groups
+from engines.algorithms.shaping import RunningMoments, ShapingSpec, refill_rows
 from engines.data.sampler import take
 from engines.rollout_ops import AdvantageSpec
 from engines.training.torch import OptimSpec
@@ -153,10 +153,9 @@ def sample_batch(cfg: Config, engines: RLEngines, train_rows: list[dict], positi
             metrics["rollout/tokens"] += score_metrics["rollout/tokens"]
         if not dynamic.enabled:
             return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, position, metrics)
-        keep = informative_groups(ray.get(rewards_ref), torch.tensor(group_ids)).tolist()
-        kept = [j for j in range(prompts_per_step) if keep[j * group]][: prompts_per_step - kept_groups]
-        parts.append((rollouts_ref, rewards_ref, kept, prompts, columns))
-        kept_groups += len(kept)
+        kept_rows = refill_rows(ray.get(rewards_ref), group, prompts_per_step - kept_groups)
+        parts.append((rollouts_ref, rewards_ref, kept_rows, prompts, columns))
+        kept_groups += len(kept_rows) // group
         if kept_groups == prompts_per_step:
             break
     metrics["dynamic/fill_ratio"] = kept_groups / prompts_per_step
@@ -164,7 +163,7 @@ def sample_batch(cfg: Config, engines: RLEngines, train_rows: list[dict], positi
     if kept_groups == 0:  # nothing informative: train on the last round as drawn (its group advantages are 0)
         rollouts_ref, rewards_ref, _, prompts, columns = parts[-1]
         return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, position, metrics)
-    rows_per_part = [[j * group + k for j in kept for k in range(group)] for _, _, kept, _, _ in parts]
+    rows_per_part = [part[2] for part in parts]
     rollouts_ref = engines.reward_worker.concat.remote(rows_per_part, *[part[0] for part in parts])
     rewards = torch.cat([ray.get(part[1])[rows] for part, rows in zip(parts, rows_per_part)])
     prompts = [part[3][i] for part, rows in zip(parts, rows_per_part) for i in rows]

@@ -351,7 +351,7 @@ def gae(
         whiten: normalise advantages over the batch's response tokens (as in PPO implementations).
     """
     if values is None:
-        raise ValueError("gae needs critic values: set algorithm.advantage=gae so the flow starts a critic engine")
+        raise ValueError("gae needs critic values (values=...); the flow passes them when algorithm.advantage=gae")
     with torch.no_grad():
         mask = response_mask
         rewards, values = token_rewards * mask, values * mask

@@ -7,7 +7,8 @@ optional truncated importance-sampling correction and reduces with an ``aggregat
                                    response_mask=M, agg="token-mean", clip_low=0.2, clip_high=0.28)
 
 Positions outside ``M`` get log-ratio 0 before any ``exp``, so padding can never make an inf or NaN.
-``metrics`` holds detached python floats under ``actor/...`` (token-means over ``M``).
+``metrics`` holds detached python floats under ``actor/...`` (token-means over ``M``) and, when rollout
+logprobs are given, the train/rollout mismatch under ``mismatch/...``.
 """
 
 from __future__ import annotations

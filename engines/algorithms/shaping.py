@@ -150,6 +150,17 @@ def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     return (hi > lo)[inverse]
 
 
+def refill_rows(rewards: torch.Tensor, group_size: int, room: int) -> list[int]:
+    """Row indices of the first ``room`` informative groups of one generation round.
+
+    Rows come in contiguous groups of ``group_size`` (one prompt each); a dynamic-sampling step keeps
+    what this returns from each round until ``room`` reaches 0."""
+    group_ids = torch.arange(len(rewards)) // group_size
+    keep = informative_groups(rewards, group_ids)
+    kept = [j for j in range(len(rewards) // group_size) if keep[j * group_size]][:room]
+    return [j * group_size + k for j in kept for k in range(group_size)]
+
+
 @dataclass(frozen=True)
 class ShapingSpec:
     """The shaping steps above, as plain values (the flow builds it from ``algorithm.shaping``)."""

@@ -100,6 +100,15 @@ def test_defaults_start_no_reference_and_no_critic():
     assert config.algorithm.advantage != "gae"
 
 
+def test_overriding_one_optim_field_keeps_the_sections_own_lr_default():
+    # The critic's and the warm start's optimizers default to their own lr (1e-4, 1e-3), not the policy's 1e-5;
+    # setting another of their fields must not reset lr to the policy's default.
+    config = load_config("algorithms/ppo", ["algorithm.critic.optim.weight_decay=0.1", "sft.optim.grad_clip=0.5"])
+    assert (config.algorithm.critic.optim.lr, config.algorithm.critic.optim.weight_decay) == (1e-4, 0.1)
+    assert (config.sft.optim.lr, config.sft.optim.grad_clip) == (1e-3, 0.5)
+    assert config.train.optim.lr == load_config("algorithms/ppo").train.optim.lr
+
+
 def test_base_chain_merges_mappings_and_replaces_the_rest(tmp_path):
     (tmp_path / "parent.yaml").write_text("run: {name: parent, seed: 3}\nrollout: {group_size: 4, stop: ['+']}\n")
     (tmp_path / "child.yaml").write_text("base: parent.yaml\nrun: {name: child}\nrollout: {stop: []}\n")

@@ -59,3 +59,28 @@ def test_preset_learns(name, tiny_model_dir, task_rows):
 def test_control_without_learning_rate_does_not_improve(tiny_model_dir, task_rows):
     first, last, _ = _run("grpo", tiny_model_dir, task_rows, lr=1e-12)
     assert abs(last - first) < 0.1, (first, last)
+
+
+def test_dynamic_sampling_stops_at_max_rounds_and_trains_on_what_it_kept(tiny_model_dir, task_rows):
+    def _dapo(reward_fn, max_rounds=3):
+        config = load_config("algorithms/dapo", ["train.steps=2", "rollout.max_new_tokens=4", "rollout.prompts_per_step=4",
+                                                 "rollout.group_size=4", "run.torch_threads=2",
+                                                 "algorithm.shaping.overlong_buffer=0",  # rewards exactly as given
+                                                 f"algorithm.dynamic_sampling.max_rounds={max_rounds}"])
+        return run_inprocess(config, tiny_model_dir, task_rows, reward_fn)
+
+    # A constant reward: no group is ever informative, so each step uses every round and keeps nothing;
+    # it trains on the last round as drawn, whose group advantages are all 0.
+    for metrics in _dapo(lambda prompts, completions, **_: [0.0] * len(completions)):
+        assert (metrics["dynamic/rounds"], metrics["dynamic/fill_ratio"]) == (3.0, 0.0)
+        assert metrics["actor/pg_loss"] == 0.0
+    # Only the first prompt of each round is informative (rewards 0, 1, 0, 1 within its group): each round
+    # adds one of the four groups, so after 3 rounds the batch is 3/4 full and trains on those 3 groups.
+    def first_group_informative(prompts, completions, **_):
+        return [float(i % 2) if i < 4 else 0.0 for i in range(len(completions))]
+
+    for metrics in _dapo(first_group_informative):
+        assert (metrics["dynamic/rounds"], metrics["dynamic/fill_ratio"]) == (3.0, 0.75)
+    # Every group informative: one round fills the batch.
+    for metrics in _dapo(lambda prompts, completions, **_: [float(i % 2) for i in range(len(completions))]):
+        assert (metrics["dynamic/rounds"], metrics["dynamic/fill_ratio"]) == (1.0, 1.0)

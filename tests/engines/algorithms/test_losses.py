@@ -516,8 +516,8 @@ def test_mismatch_k3_is_exact_kl_of_rollout_to_trainer_in_expectation():
     #   = 0.5 ln 4 + 0.25 ln 0.5 + 0.25 ln(2/3) = 0.6931472 - 0.1732868 - 0.1013663 = 0.4184941
     #   per token: x0: 0.25 - 1 + ln 4 = 0.6362944; x1: 2 - 1 - ln 2 = 0.3068528; x2: 1.5 - 1 - ln 1.5 = 0.0945349
     #   mean = (2 * 0.6362944 + 0.3068528 + 0.0945349) / 4 = 0.4184941
-    # (The code currently gives r = p / q: (2 * 1.6137056 + 0.1931472 + 0.0721318) / 4 = 0.8731726, which is
-    #  chi^2(p || q) - KL(p || q), neither KL direction.)
+    # (The wrong direction, r = p / q, would give (2 * 1.6137056 + 0.1931472 + 0.0721318) / 4 = 0.8731726,
+    #  which is chi^2(p || q) - KL(p || q), neither KL direction; an earlier version had that bug.)
     p, q = [0.5, 0.5, 0.25, 0.25], [0.125, 0.125, 0.5, 0.375]
     rlp = torch.tensor([p], dtype=torch.float64).log()
     olp = torch.tensor([q], dtype=torch.float64).log()

@@ -258,6 +258,15 @@ def test_informative_groups_match_loop_reference():
     assert shaping.informative_groups(rewards, G).tolist() == expected
 
 
+def test_refill_rows_takes_the_first_informative_groups_up_to_room():
+    # group_size 2, four groups: [1, 1] constant, [0, 1] kept, [0, 0] constant, [1, 0] kept
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    assert shaping.refill_rows(rewards, 2, room=4) == [2, 3, 6, 7]  # both informative groups, all their rows
+    assert shaping.refill_rows(rewards, 2, room=1) == [2, 3]  # room for one group: the first informative one
+    assert shaping.refill_rows(rewards, 2, room=0) == []
+    assert shaping.refill_rows(torch.zeros(8), 2, room=4) == []  # all constant: nothing to keep
+
+
 # -- the shaping pipelines ------------------------------------------------------------------------------
 
 
