@@ -352,6 +352,13 @@ class TrackingConfig(Section):
     """Rows in each sample table."""
     log_model: bool = True
     """Log the final model folder as an MLflow artifact."""
+    register_model: bool = True
+    """Register the final model in the MLflow model registry, with lineage tags (config hash, dataset
+    fingerprint, git commit, parent run)."""
+    registered_model_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Registry name of the final model; None = run.name."""
+    parent_run_id: str | None = None
+    """MLflow run this one continues (a chained stage); None = the run that wrote model.path, if any."""
 
 
 class SyncConfig(Section):

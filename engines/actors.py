@@ -1,8 +1,19 @@
-"""Engines as named Ray actors, one set per run, backends found by dotted path (imported when chosen)."""
+"""Engines as named Ray actors, one set per run, backends found by dotted path (imported when chosen).
+
+An actor is named ``<run>/<role>#<fingerprint>``, the fingerprint hashing the engine kind and every
+constructor argument. A flow run that finds a live actor of its run, role and fingerprint reattaches
+to it instead of loading the model again (its trainable state is then restored from the checkpoint, as
+for a fresh actor); one with another fingerprint (the config changed) is replaced. On a cluster the
+driver joined (``RAY_ADDRESS``), actors are detached, so they outlive a crashed or finished driver
+until ``stop_engine`` or ``rollflow engines stop RUN``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib
+import os
 import time
 from typing import Any
 
@@ -26,28 +37,81 @@ def engine_class(kind: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def actor_name(run_name: str, role: str) -> str:
-    return f"{run_name}/{role}"
+def actor_name(run_name: str, role: str, fingerprint: str) -> str:
+    return f"{run_name}/{role}#{fingerprint}"
 
 
-def start_engine(kind: str, *, run_name: str, role: str, num_cpus: float = 0, num_gpus: float = 0,
-                 runtime_env: dict | None = None, **kwargs: Any):
-    """Create the named actor ``<run>/<role>``, replacing one of that name left by an earlier attempt.
+def fingerprint(kind: str, kwargs: dict[str, Any]) -> str:
+    """Short hash of what the actor was built from: equal only when a reattached actor is interchangeable."""
+    def plain(value):
+        return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+    text = repr((kind, sorted((k, plain(v)) for k, v in kwargs.items())))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def run_actor_names(run_name: str | None, role: str | None = None) -> list[str]:
+    """Names of the live actors of ``run_name`` (of one ``role`` when given; of every run for None)."""
+    prefix = "" if run_name is None else f"{run_name}/{role}#" if role else f"{run_name}/"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+
+
+def _responsive(handle, timeout_s: float) -> bool:
+    try:
+        ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        return True
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+
+
+def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num_cpus: float = 0,
+                 num_gpus: float = 0, runtime_env: dict | None = None, **kwargs: Any):
+    """The actor ``<run>/<role>``: the live one built from the same ``kind`` and ``kwargs`` if there is
+    one and ``reuse``, else a new one (replacing any actor of this run and role). Pass ``reuse=False``
+    for a trainable engine that will not be restored from a checkpoint: its weights may have moved.
 
     Actors never restart and their calls never retry: a crash fails the step, and resume goes through
     the checkpoint instead of a half-updated actor."""
+    name = actor_name(run_name, role, fingerprint(kind, kwargs))
+    for other in run_actor_names(run_name, role):
+        if other != name or not reuse:
+            _kill_named(other)  # built from another config: not interchangeable
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        handle = None
+    if handle is not None:
+        if _responsive(handle, timeout_s=float(os.environ.get("ROLLFLOW_REATTACH_TIMEOUT_S", "600"))):
+            return handle  # still busy with a dead driver's last call at worst: ours queue behind it
+        _kill_named(name)
     cls = ray.remote(engine_class(kind))
-    name = actor_name(run_name, role)
-    _kill_named(name)  # left over from an attempt that died in this cluster: its state is not the checkpoint's
     return cls.options(
         name=name,
         namespace=NAMESPACE,
+        lifetime="detached" if joined_cluster() else None,
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         max_restarts=0,
         max_task_retries=0,
         runtime_env=runtime_env,
     ).remote(**kwargs)
+
+
+def joined_cluster() -> bool:
+    """True when this driver joined a cluster that outlives it (``RAY_ADDRESS``), not one it started."""
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
+def describe(handle) -> dict[str, Any]:
+    """``{"actor_id", "pid", "node_ip"}`` of a live actor, read inside it."""
+    def where(_self):
+        import os as _os
+
+        context = ray.get_runtime_context()
+        return {"actor_id": context.get_actor_id(), "pid": _os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+
+    return ray.get(handle.__ray_call__.remote(where))
 
 
 def _kill_named(name: str, timeout_s: float = 30.0) -> None:
@@ -63,6 +127,10 @@ def _kill_named(name: str, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise RuntimeError(f"actor {name!r} from an earlier attempt did not stop within {timeout_s:.0f}s")
+
+
+def stop_named(name: str) -> None:
+    _kill_named(name)
 
 
 def stop_engine(handle) -> None:

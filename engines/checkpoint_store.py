@@ -12,9 +12,13 @@ A crash at any point leaves either a complete checkpoint or a folder without a m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -24,8 +28,16 @@ MANIFEST = "MANIFEST.json"
 
 
 def filesystem(uri: str):
+    """``(fs, path)`` for ``uri``. Object-store listings are re-read each time: other processes (the engine
+    actors) write checkpoints too, and a cached listing would miss them."""
     fs, path = fsspec.core.url_to_fs(uri)
+    if not isinstance(fs, LocalFileSystem):
+        fs.invalidate_cache()
     return fs, path
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
 
 
 def join(uri: str, *parts: str) -> str:
@@ -53,6 +65,49 @@ def read_json(uri: str) -> dict[str, Any] | None:
     if not fs.exists(path):
         return None
     return json.loads(fs.cat_file(path))
+
+
+def put_folder(local_dir: str, uri: str) -> list[str]:
+    """Copy the files of ``local_dir`` to the folder ``uri`` (replacing it); returns their relative paths.
+
+    On a local disk the folder is swapped in by rename; on object storage each file is one PUT, and an
+    upload error propagates (the caller's manifest is then never written)."""
+    files = sorted(str(p.relative_to(local_dir)) for p in Path(local_dir).rglob("*") if p.is_file())
+    fs, path = filesystem(uri)
+    if isinstance(fs, LocalFileSystem):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(local_dir, tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        return files
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    for name in files:
+        fs.put_file(os.path.join(local_dir, name), f"{path}/{name}")
+    return files
+
+
+def local_copy(uri: str, cache_dir: str | None = None) -> str:
+    """A local folder with the files of ``uri``: the path itself when local (or a hub id), else a copy
+    downloaded once into ``$ROLLFLOW_CACHE`` (default ``~/.cache/rollflow``), keyed by the URI."""
+    if not is_remote(uri):
+        return uri.removeprefix("file://")
+    root = Path(cache_dir or os.environ.get("ROLLFLOW_CACHE") or Path.home() / ".cache" / "rollflow") / "remote"
+    out = root / hashlib.sha256(uri.encode()).hexdigest()[:16]
+    if (out / ".complete").exists():
+        return str(out)
+    fs, path = filesystem(uri)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root))
+    for remote in fs.find(path):
+        target = tmp / os.path.relpath(remote, path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(target))
+    (tmp / ".complete").write_text(uri)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return str(out)
 
 
 def step_dir(run_dir: str, step: int) -> str:

@@ -82,20 +82,28 @@ def set_torch_threads(threads: int = 0) -> int:
     return threads
 
 
+def local_model_path(path: str) -> str:
+    """A path ``from_pretrained`` can read: local paths and hub ids as given, ``s3://…`` (any fsspec URL)
+    downloaded once into the local cache."""
+    from engines.checkpoint_store import local_copy
+
+    return local_copy(path)
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(local_model_path(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 def load_model(path: str, dtype: str = "float32", trainable: bool = True):
-    """Any HF causal LM by local path or hub id."""
+    """Any HF causal LM by local path, hub id or fsspec URL (s3://…)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(local_model_path(path), dtype=getattr(torch, dtype))
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
@@ -107,7 +115,7 @@ def load_value_model(path: str, dtype: str = "float32"):
     ``num_labels=1``). The head starts at zero so the first values are 0, not noise."""
     from transformers import AutoModelForTokenClassification
 
-    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+    model = AutoModelForTokenClassification.from_pretrained(local_model_path(path), num_labels=1, dtype=getattr(torch, dtype))
     head = model.score if hasattr(model, "score") else model.classifier
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:

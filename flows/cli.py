@@ -95,6 +95,62 @@ def validate(config: str = typer.Argument(...), overrides: list[str] = typer.Arg
     typer.echo(dump_config(_load(config, overrides or [])))
 
 
+@app.command()
+def deploy(prefect_file: str = typer.Option("infra/prefect/prefect.yaml", help="deployments to register"),
+           work_pool: str = typer.Option("rollflow-process", help="process work pool the deployments use")) -> None:
+    """Create the process work pool if missing and register every deployment of PREFECT_FILE (runs
+    `prefect deploy --all` from the repository root). Needs PREFECT_API_URL (a Prefect server)."""
+    import subprocess
+    from pathlib import Path
+
+    if not os.environ.get("PREFECT_API_URL"):
+        typer.echo("set PREFECT_API_URL to a Prefect server (e.g. http://127.0.0.1:4200/api): deployments live there",
+                   err=True)
+        raise typer.Exit(2)
+    root = Path(__file__).resolve().parents[1]
+    prefect = [sys.executable, "-m", "prefect"]
+    found = subprocess.run([*prefect, "work-pool", "inspect", work_pool], capture_output=True, text=True, cwd=root)
+    if found.returncode != 0:
+        subprocess.run([*prefect, "work-pool", "create", work_pool, "--type", "process"], check=True, cwd=root)
+    result = subprocess.run([*prefect, "--no-prompt", "deploy", "--all", "--prefect-file", prefect_file], cwd=root)
+    raise typer.Exit(result.returncode)
+
+
+engines_app = typer.Typer(no_args_is_help=True, help="Engine actors kept on a persistent Ray cluster (RAY_ADDRESS).")
+app.add_typer(engines_app, name="engines")
+
+
+def _join_cluster() -> None:
+    if not os.environ.get("RAY_ADDRESS"):
+        typer.echo("set RAY_ADDRESS to the cluster (e.g. 127.0.0.1:6379): engines outlive runs only there", err=True)
+        raise typer.Exit(2)
+    from flows.setup import ensure_ray
+
+    ensure_ray()
+
+
+@engines_app.command("list")
+def engines_list(run_name: str = typer.Argument("", help="only this run's engines")) -> None:
+    """Live engine actors: <run>/<role>#<fingerprint>."""
+    _join_cluster()
+    from engines.actors import run_actor_names
+
+    for name in run_actor_names(run_name or None):
+        typer.echo(name)
+
+
+@engines_app.command("stop")
+def engines_stop(run_name: str = typer.Argument(..., help="run whose engines to stop")) -> None:
+    """Stop a run's engine actors and free their memory (a later run of it loads the models again)."""
+    _join_cluster()
+    from engines.actors import run_actor_names, stop_named
+
+    names = run_actor_names(run_name)
+    for name in names:
+        stop_named(name)
+    typer.echo(f"stopped {len(names)} engine(s) of {run_name!r}")
+
+
 def main() -> None:  # python -m flows.cli
     app()
 

@@ -27,7 +27,7 @@ from prefect import flow
 from configs.schema import Config
 from flows.setup import final_dir, load_rows
 from engines import checkpoint_store as store
-from engines.actors import start_engine, stop_engine
+from engines.actors import describe, start_engine, stop_engine
 from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import PolicyObjective, ValueObjective
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, refill_rows
@@ -68,18 +68,20 @@ class RLEngines:
                 stop_engine(handle)
 
 
-def start_rl_engines(config: Config, model_path: str) -> RLEngines:
+def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngines:
     """Rollout engine, trainer, reward worker, a frozen reference (when ``kl.coef > 0``) and a critic
-    (when ``advantage: gae``), as named Ray actors."""
+    (when ``advantage: gae``), as named Ray actors; live ones of this run with the same settings are
+    reattached (the trainer and critic only when ``restoring`` from a checkpoint, which resets them)."""
     from engines.models import load_tokenizer, stop_token_ids
 
     common = dict(run_name=config.run.name, model_path=model_path, dtype=config.model.dtype,
                   torch_threads=config.run.torch_threads)
+    trainable = dict(common, reuse=restoring)
     temperature = config.rollout.temperature
     optim = OptimSpec(**config.train.optim.model_dump(), total_steps=config.train.steps)
     rollout = start_engine(f"rollout/{config.rollout.engine}", role="rollout", **common)
     trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
-                           micro_batch_size=config.train.micro_batch_size, temperature=temperature, **common)
+                           micro_batch_size=config.train.micro_batch_size, temperature=temperature, **trainable)
     reference = critic = None
     if config.algorithm.kl.coef > 0:
         reference = start_engine("reference/torch", role="reference", micro_batch_size=config.train.micro_batch_size,
@@ -87,11 +89,19 @@ def start_rl_engines(config: Config, model_path: str) -> RLEngines:
     if config.algorithm.advantage == "gae":
         critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=config.train.steps)
         critic = start_engine(f"train/{config.train.engine}", role="critic", optim=critic_optim, seed=config.run.seed,
-                              micro_batch_size=config.train.micro_batch_size, head="value", **common)
+                              micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
     reward_worker = start_engine("reward/worker", run_name=config.run.name, role="reward")
     tokenizer = load_tokenizer(model_path)
     return RLEngines(rollout, trainer, reference, critic, reward_worker, tokenizer.pad_token_id,
                      stop_token_ids(tokenizer, config.rollout.stop))
+
+
+def record_engines(run_dir: str, engines: RLEngines) -> None:
+    """``<run.dir>/engines.json``: actor id, pid and node of each engine of the current attempt."""
+    roles = {"rollout": engines.rollout, "trainer": engines.trainer, "reference": engines.reference,
+             "critic": engines.critic, "reward": engines.reward_worker}
+    store.write_json(store.join(run_dir, "engines.json"),
+                     {role: describe(handle) for role, handle in roles.items() if handle is not None})
 
 
 def build_objective(config: Config) -> PolicyObjective:
@@ -182,21 +192,23 @@ def heldout_eval(config: Config, engines: RLEngines, heldout_rows: list[dict]):
 @flow(name="rlvr", persist_result=False)
 def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: str) -> dict:
     """RL from ``model_path`` with ``config.algorithm``; returns the final state (step, data position,
-    held-out accuracies, KL coefficient, running reward moments)."""
+    held-out accuracies, KL coefficient, running reward moments, the checkpoint steps resumed from)."""
     cfg, run_dir, alg = config, config.run.resolved_dir, config.algorithm
     train_rows, heldout_rows = load_rows(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
-    engines = start_rl_engines(cfg, model_path)
+    latest = store.latest_checkpoint(run_dir)
+    engines = start_rl_engines(cfg, model_path, restoring=latest is not None)
+    record_engines(run_dir, engines)
     objective = build_objective(cfg)
     value_objective = ValueObjective(clip_range=alg.critic.clip_range)
     advantage_spec = build_advantage_spec(cfg, engines.pad_token_id)
     old_logprob_engine = engines.trainer if alg.old_logprobs == "trainer" else None
 
     state = {"step": 0, "data_position": 0, "heldout_accuracy": {}, "mlflow_run_id": mlflow_run_id,
-             "kl_coef": alg.kl.coef, "reward_moments": dataclasses.asdict(RunningMoments())}
-    latest = store.latest_checkpoint(run_dir)
+             "kl_coef": alg.kl.coef, "reward_moments": dataclasses.asdict(RunningMoments()), "resumed_from": []}
     if latest is not None:
         state = {**state, **restore(engines.train_engines, latest[1])}
+        state["resumed_from"] = [*state["resumed_from"], state["step"]]  # each attempt's starting checkpoint
     sync_weights(engines.trainer, [engines.rollout], state["step"], cfg.sync.bucket_mb)
     if state["step"] == 0:
         accuracy, samples = heldout_eval(cfg, engines, heldout_rows)
@@ -252,9 +264,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
             checkpoint(engines.train_engines, run_dir, step, state, cfg.checkpoint.keep)
     progress.close()
     tracker.flush()
-    final = save_model(engines.trainer, final_dir(cfg), state["step"], state)
-    if cfg.tracking.log_model:
-        tracker.log_dir(final, "final_model")
+    save_model(engines.trainer, final_dir(cfg), state["step"], state)
     engines.stop()
     return state
 

@@ -44,16 +44,23 @@ def load_rows(config: Config) -> tuple[list[dict], list[dict]]:
 
 
 def base_model_path(config: Config, train_rows: list[dict]) -> str:
-    """The model the run starts from: ``model.path``, or a tiny model built once into the run directory."""
+    """The model the run starts from: ``model.path``, or a tiny model built once into ``<run.dir>/base_model``
+    (local or s3://; complete once its manifest exists)."""
     if config.model.source == "hf":
         return config.model.path
+    import tempfile
+
     from engines.models import TinyModelSpec, build_tiny_model
 
-    out = Path(config.run.resolved_dir) / "base_model"
-    if not (out / "config.json").exists():
+    out = store.join(config.run.resolved_dir, "base_model")
+    if store.read_json(store.join(out, store.MANIFEST)) is None:
         texts = [row["prompt"] + row["answer"] for row in train_rows]
-        build_tiny_model(out, texts, TinyModelSpec(**config.model.tiny.model_dump()), seed=config.run.seed)
-    return str(out)
+        with tempfile.TemporaryDirectory() as tmp:
+            built = build_tiny_model(Path(tmp) / "model", texts, TinyModelSpec(**config.model.tiny.model_dump()),
+                                     seed=config.run.seed)
+            files = store.put_folder(str(built), out)
+        store.write_manifest(out, 0, files)
+    return out
 
 
 def final_dir(config: Config) -> str:

@@ -34,7 +34,7 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
         return out
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     optim = OptimSpec(**sft.optim.model_dump(), total_steps=sft.steps)
-    trainer = start_engine("train/torch", run_name=config.run.name, role="sft-trainer", model_path=model_path,
+    trainer = start_engine("train/torch", run_name=config.run.name, role="sft-trainer", reuse=False, model_path=model_path,
                            optim=optim, dtype=config.model.dtype, seed=config.run.seed,
                            torch_threads=config.run.torch_threads, micro_batch_size=sft.micro_batch_size)
     objective = SFTObjective()
@@ -50,6 +50,6 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
         progress.update(step, metrics)
     progress.close()
     tracker.flush()
-    save_model(trainer, out, sft.steps)
+    save_model(trainer, out, sft.steps, {"mlflow_run_id": mlflow_run_id, "stage": "sft", "step": sft.steps})
     stop_engine(trainer)
     return out

@@ -31,17 +31,10 @@ def restore(train_engines: dict, checkpoint_uri: str) -> dict:
 
 @task(name="save_model", retries=0, **TASK_DEFAULTS)
 def save_model(train_engine, out_dir: str, step: int, state: dict | None = None) -> str:
-    """The engine's model in HF format (model.safetensors + tokenizer) at ``out_dir``, plus ``state.json``
-    when given, manifest last: its presence marks the stage (SFT, or the whole run for ``final/``) done."""
-    import os
-    import shutil
-
-    tmp = f"{out_dir}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ray.get(train_engine.save_pretrained.remote(tmp))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    files = ["config.json", "model.safetensors"]
+    """The engine's model in HF format (model.safetensors + tokenizer) at ``out_dir`` (local or s3://), plus
+    ``state.json`` when given, manifest last: its presence marks the stage (SFT, or the whole run for
+    ``final/``) done. A failed write raises before the manifest exists."""
+    files = ray.get(train_engine.save_pretrained.remote(out_dir))
     if state is not None:
         store.write_json(store.join(out_dir, "state.json"), state)
         files.append("state.json")

@@ -8,6 +8,7 @@ re-running the steps between the last checkpoint and a crash leaves exactly one 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -22,9 +23,32 @@ def tracking_uri(run_dir: str) -> str:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     if "://" in run_dir:
-        raise ValueError(f"run.dir {run_dir} is remote: set MLFLOW_TRACKING_URI to a tracking server")
+        raise ValueError(f"run.dir {run_dir} is remote: set MLFLOW_TRACKING_URI to a tracking server "
+                         "(or a sqlite:///… file) for its MLflow run")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{Path(run_dir).resolve()}/mlflow.db"
+
+
+def artifact_root(run_dir: str, uri: str) -> str | None:
+    """Where a new experiment keeps artifacts: beside the run directory's own sqlite store (not in the
+    working directory's ./mlruns); a tracking server or a user's store decides for itself (None)."""
+    own = not os.environ.get("MLFLOW_TRACKING_URI") and uri.startswith("sqlite:///")
+    return str(Path(run_dir).resolve() / "mlartifacts") if own else None
+
+
+SECRET_ENV_WORDS = ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "CREDENTIAL", "API_KEY", "PRIVATE_KEY")
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+:[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` without credentials: ``scheme://user:password@`` becomes ``scheme://***@``, and the value
+    of every environment variable whose name says it is a secret (``AWS_SECRET_ACCESS_KEY``,
+    ``MLFLOW_TRACKING_PASSWORD``, ``HF_TOKEN``, …) becomes ``***``."""
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    for name, value in os.environ.items():
+        if len(value) >= 4 and any(word in name.upper() for word in SECRET_ENV_WORDS):
+            text = text.replace(value, "***")
+    return text
 
 
 class RunTracker:
@@ -37,16 +61,18 @@ class RunTracker:
 
     @classmethod
     def create(cls, uri: str, experiment: str, run_name: str, params: dict[str, str], config_yaml: str,
-               artifact_root: str | None = None) -> "RunTracker":
+               artifact_root: str | None = None, tags: dict[str, str] | None = None) -> "RunTracker":
+        """A new MLflow run with the config as params and ``config.yaml``; every value passes ``redact``."""
         client = MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location=artifact_root)
-        run = client.create_run(experiment_id, run_name=run_name, tags={"rollflow.run_name": run_name})
+        all_tags = {"rollflow.run_name": run_name, **(tags or {})}
+        run = client.create_run(experiment_id, run_name=run_name, tags={k: redact(v) for k, v in all_tags.items()})
         tracker = cls(uri, run.info.run_id)
-        items = [Param(k, v[:6000]) for k, v in params.items()]
+        items = [Param(k, redact(v)[:6000]) for k, v in params.items()]
         for start in range(0, len(items), 100):
             client.log_batch(run.info.run_id, params=items[start : start + 100])
-        client.log_text(run.info.run_id, config_yaml, "config.yaml")
+        client.log_text(run.info.run_id, redact(config_yaml), "config.yaml")
         return tracker
 
     def last_step(self, stream: str) -> int:
@@ -83,6 +109,24 @@ class RunTracker:
 
     def log_dir(self, local_dir: str, artifact_path: str) -> None:
         self.client.log_artifacts(self.run_id, local_dir, artifact_path)
+
+    def register_model(self, name: str, artifact_path: str | None, source: str, tags: dict[str, str]) -> int:
+        """A new version of registered model ``name`` from this run; returns its version number.
+
+        The source is the run's logged artifact ``artifact_path`` when given (the registry then points
+        into MLflow's artifact store), else ``source`` (the final folder, local or s3://)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        if artifact_path is not None:
+            source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+        version = self.client.create_model_version(name, source=redact(source), run_id=self.run_id,
+                                                   tags={k: redact(v) for k, v in tags.items()})
+        return version.version
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

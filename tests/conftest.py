@@ -48,3 +48,13 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real ``prefect server start`` process on 127.0.0.1 for tests that run subprocesses (workers,
+    ``rollflow run``): yields ``(api_url, env)``."""
+    from services import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect")) as (url, env):
+        yield url, env

@@ -186,11 +186,17 @@ class TorchTrainEngine:
         np.random.set_state(rng["numpy"])
         return weights_checksum(self.model)
 
-    def save_pretrained(self, local_dir: str) -> str:
-        """Final model in HF format (``model.safetensors`` + tokenizer) in a local folder."""
-        self.model.save_pretrained(local_dir, safe_serialization=True)
-        self.tokenizer.save_pretrained(local_dir)
-        return local_dir
+    def save_pretrained(self, uri: str) -> list[str]:
+        """The model in HF format (``model.safetensors`` + config + tokenizer) at ``uri`` (local or s3://),
+        replacing what was there; returns the files written."""
+        import tempfile
+
+        from engines.checkpoint_store import put_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            return put_folder(tmp, uri)
 
 
 class ReferenceEngine:

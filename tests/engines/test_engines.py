@@ -165,19 +165,26 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_
 
 
 @pytest.mark.ray
-def test_starting_an_engine_replaces_a_leftover_of_the_same_name(tiny_model_dir, ray_cluster):
-    from engines.actors import start_engine, stop_engine
+def test_engines_reattach_only_when_built_from_the_same_arguments(tiny_model_dir, ray_cluster):
+    from engines.actors import describe, run_actor_names, start_engine, stop_engine
 
     ray = ray_cluster
-    first = start_engine("train/torch", run_name="t-replace", role="trainer", model_path=tiny_model_dir,
-                         optim=OptimSpec(lr=1e-2))
+    args = dict(run_name="t-replace", role="trainer", model_path=tiny_model_dir, optim=OptimSpec(lr=1e-2))
+    first = start_engine("train/torch", **args)
     ray.get(first.train_step.remote(sft_batch(tiny_model_dir, ["1+2="], ["3"]), SFTObjective()))
-    second = start_engine("train/torch", run_name="t-replace", role="trainer", model_path=tiny_model_dir,
-                          optim=OptimSpec(lr=1e-2))
-    assert ray.get(second.optimizer_steps.remote()) == 0  # a fresh engine, not the trained leftover
+    # Same kind and arguments: the live actor itself, trained state and all (a checkpoint restore follows).
+    again = start_engine("train/torch", **args)
+    assert describe(again) == describe(first) and ray.get(again.optimizer_steps.remote()) == 1
+    # reuse=False (a trainer that will not be restored): a fresh engine replaces the trained one.
+    fresh = start_engine("train/torch", reuse=False, **args)
+    assert ray.get(fresh.optimizer_steps.remote()) == 0
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(first.optimizer_steps.remote())
-    stop_engine(second)
+    # Other arguments (the config changed): replaced too, and only one actor of the role is left.
+    changed = start_engine("train/torch", **{**args, "optim": OptimSpec(lr=1e-3)})
+    assert describe(changed)["actor_id"] != describe(fresh)["actor_id"]
+    assert len(run_actor_names("t-replace", "trainer")) == 1
+    stop_engine(changed)
 
 
 def test_critic_starts_at_zero_and_regresses_toward_the_returns(tiny_model_dir):
