@@ -44,9 +44,11 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *parts])
 
 
-def write_json(uri: str, payload: dict[str, Any]) -> None:
-    """Write JSON atomically: rename on a local disk, a single PUT on object storage."""
-    data = json.dumps(payload, indent=1, sort_keys=True).encode()
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a file atomically: rename on a local disk, a single PUT on object storage.
+
+    Never creates a bucket: a bucket that is gone (deleted, wrong name, no access) is an error here,
+    not a fresh empty bucket that would hide the loss of every earlier checkpoint."""
     fs, path = filesystem(uri)
     if isinstance(fs, LocalFileSystem):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -58,6 +60,10 @@ def write_json(uri: str, payload: dict[str, Any]) -> None:
         os.replace(tmp, path)
     else:
         fs.pipe_file(path, data)
+
+
+def write_json(uri: str, payload: dict[str, Any]) -> None:
+    write_bytes(uri, json.dumps(payload, indent=1, sort_keys=True).encode())
 
 
 def read_json(uri: str) -> dict[str, Any] | None:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import ray
-from prefect import task
+from prefect import get_run_logger, task
 
 from engines import checkpoint_store as store
 from tasks.common import TASK_DEFAULTS
@@ -14,12 +14,24 @@ def checkpoint(train_engines: dict, run_dir: str, step: int, state: dict, keep: 
 
     Any failed write raises before the manifest exists, so the previous checkpoint stays the newest."""
     uri = store.step_dir(run_dir, step)
-    saved = {role: engine.save.remote(store.join(uri, role)) for role, engine in train_engines.items()}
-    files = [f"{role}/{name}" for role, ref in saved.items() for name in ray.get(ref)]
-    store.write_json(store.join(uri, "state.json"), {**state, "step": step})
-    store.write_manifest(uri, step, [*files, "state.json"])
-    store.prune(run_dir, keep)
+    try:
+        saved = {role: engine.save.remote(store.join(uri, role)) for role, engine in train_engines.items()}
+        files = [f"{role}/{name}" for role, ref in saved.items() for name in ray.get(ref)]
+        store.write_json(store.join(uri, "state.json"), {**state, "step": step})
+        store.write_manifest(uri, step, [*files, "state.json"])
+    except Exception as exc:
+        cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the actor's exception
+        raise CheckpointError(f"checkpoint of step {step} to {uri} failed ({type(cause).__name__}: {cause}); "
+                              "it has no manifest, so resume uses the newest complete checkpoint before it") from exc
+    try:
+        store.prune(run_dir, keep)
+    except OSError as exc:  # the checkpoint is complete; old ones left behind cost space, not correctness
+        get_run_logger().warning("could not delete old checkpoints under %s: %s", run_dir, exc)
     return uri
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written completely."""
 
 
 @task(name="restore", retries=0, **TASK_DEFAULTS)

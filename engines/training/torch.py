@@ -19,6 +19,7 @@ import fsspec
 import numpy as np
 import torch
 
+from engines.checkpoint_store import write_bytes
 from engines.models import load_model, load_tokenizer, load_value_model, set_torch_threads
 from engines.training.logprobs import batched_logprobs, batched_values, token_logprobs, token_values
 from engines.types import Rollouts, TrainBatch, build_train_batch
@@ -49,11 +50,6 @@ def lr_multiplier(step: int, spec: OptimSpec) -> float:
     progress = min(1.0, (step - spec.warmup_steps) / max(1, spec.total_steps - spec.warmup_steps))
     decay = 1.0 - progress if spec.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return spec.min_lr_ratio + (1.0 - spec.min_lr_ratio) * decay
-
-
-def _write_bytes(uri: str, payload: bytes) -> None:
-    with fsspec.open(uri, "wb") as f:
-        f.write(payload)
 
 
 def _torch_bytes(obj) -> bytes:
@@ -162,7 +158,7 @@ class TorchTrainEngine:
             "rng.pt": _torch_bytes({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}),
         }
         for name, payload in files.items():
-            _write_bytes(f"{uri}/{name}", payload)
+            write_bytes(f"{uri}/{name}", payload)
         return sorted(files)
 
     def load(self, uri: str) -> str:

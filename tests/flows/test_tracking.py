@@ -29,3 +29,25 @@ def test_buffered_steps_flush_in_one_batch(tmp_path):
     assert tracker.client.get_metric_history(tracker.run_id, "sft/nll") == []
     tracker.flush()
     assert [m.step for m in tracker.client.get_metric_history(tracker.run_id, "sft/nll")] == [1, 2, 3, 4, 5]
+
+
+def test_credentials_never_reach_mlflow(tmp_path, monkeypatch):
+    from tasks.tracking import redact
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-1234")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "tracking-pw-5678")
+    monkeypatch.setenv("ROLLFLOW_SEED_NOTE", "not-secret-value")  # a name that says nothing secret: kept
+    # userinfo in any URL, and any secret env value, wherever it appears
+    assert redact("postgresql://mlflow:pw@db:5432/m s3://bucket/k aws-secret-1234") == \
+        "postgresql://***@db:5432/m s3://bucket/k ***"
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    params = {"data.train_path": "https://user:hf_tok@example.org/train.jsonl", "note": "tracking-pw-5678",
+              "seed_note": "not-secret-value"}
+    tracker = RunTracker.create(uri, "exp", "run-c", params, "data: {train_path: https://user:hf_tok@example.org/x}\n",
+                                tags={"rollflow.run_dir": "s3://aws-secret-1234@bucket/run"})
+    run = tracker.client.get_run(tracker.run_id)
+    assert run.data.params == {"data.train_path": "https://***@example.org/train.jsonl", "note": "***",
+                               "seed_note": "not-secret-value"}
+    assert run.data.tags["rollflow.run_dir"] == "s3://***@bucket/run"
+    config_text = open(tracker.client.download_artifacts(tracker.run_id, "config.yaml", str(tmp_path))).read()
+    assert "hf_tok" not in config_text and "https://***@example.org/x" in config_text

@@ -1,0 +1,38 @@
+"""Retry and cache settings of every Prefect task, set on purpose: a task that changes state (a train
+step, a checkpoint) never retries blindly; pure ones (seeded generation, scoring, evaluation) may, and so may the idempotent weight sync; no task
+result is cached, so neither two experiments nor two attempts can share one."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import Task
+
+import tasks
+
+NEVER_RETRIED = {"train", "sft_train", "checkpoint", "restore", "save_model", "compute_advantages"}
+MAY_RETRY = {"generate", "score", "evaluate",  # pure: seeded or greedy sampling, deterministic rewards
+             "sync_weights"}  # idempotent: the same weights and version again, checked by checksum
+
+
+def _all_tasks() -> dict[str, Task]:
+    found = {}
+    for module in pkgutil.iter_modules(tasks.__path__):
+        for value in vars(importlib.import_module(f"tasks.{module.name}")).values():
+            if isinstance(value, Task):
+                found[value.name] = value
+    return found
+
+
+def test_every_task_has_a_deliberate_retry_and_cache_policy():
+    found = _all_tasks()
+    assert NEVER_RETRIED | MAY_RETRY <= set(found), sorted(found)
+    for name, task in found.items():
+        assert task.cache_policy is NO_CACHE, name
+        assert task.persist_result is False, name
+        if name in MAY_RETRY:
+            assert task.retries >= 1, name
+        else:
+            assert task.retries == 0, name
