@@ -46,7 +46,7 @@ def publish_model(config: Config, tracker: RunTracker, folder: str, artifact_pat
     name = name or config.tracking.registered_model_name or config.run.name
     done = tracker.client.search_model_versions(f"run_id='{tracker.run_id}' and name='{name}'")
     if done:
-        return done[0].version
+        return int(done[0].version)
     tags = {k: v for k, v in tracker.client.get_run(tracker.run_id).data.tags.items() if k.startswith("rollflow.")}
     return tracker.register_model(name, artifact_path if config.tracking.log_model else None, folder,
                                   {**tags, "rollflow.mlflow_run_id": tracker.run_id})

@@ -126,7 +126,7 @@ class RunTracker:
             source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
         version = self.client.create_model_version(name, source=redact(source), run_id=self.run_id,
                                                    tags={k: redact(v) for k, v in tags.items()})
-        return version.version
+        return int(version.version)  # a str from a tracking server, an int from a local store
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -58,3 +58,12 @@ def prefect_api(tmp_path_factory):
 
     with prefect_server(tmp_path_factory.mktemp("prefect")) as (url, env):
         yield url, env
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1: ``(boto3 client, AWS_* env)``."""
+    from services import s3_server as start
+
+    with start() as (client, env):
+        yield client, env

@@ -113,3 +113,44 @@ def prefect_server(tmp: Path):
                  "the Prefect server")
         assert proc.poll() is None, (tmp / "prefect-server.log").read_text()[-2000:]
         yield env["PREFECT_API_URL"], env
+
+
+S3_SECRET = "moto-secret-" + os.urandom(6).hex()  # the S3 secret key of this test session
+
+
+@contextmanager
+def s3_server():
+    """A moto S3 server on a free 127.0.0.1 port, in this process (tests can reach into its state);
+    yields ``(boto3 client, env)`` with the AWS_* variables that point s3fs, boto3 and MLflow at it."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "rollflow-test", "AWS_SECRET_ACCESS_KEY": S3_SECRET, "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": endpoint, "MLFLOW_S3_ENDPOINT_URL": endpoint}
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=S3_SECRET, region_name="us-east-1")
+    try:
+        yield client, env
+    finally:
+        server.stop()
+
+
+@contextmanager
+def mlflow_server(tmp: Path, env: dict[str, str]):
+    """``infra/mlflow/start.sh`` on a free 127.0.0.1 port (sqlite backend; artifacts where
+    ``MLFLOW_ARTIFACTS_DESTINATION`` in ``env`` says); yields its tracking URI."""
+    port = free_port()
+    env = {"MLFLOW_BACKEND_STORE_URI": f"sqlite:///{tmp}/mlflow-server.db", **env, "MLFLOW_PORT": str(port),
+           "MLFLOW_WORKERS": "1"}
+    with process_group(["bash", str(REPO_ROOT / "infra" / "mlflow" / "start.sh")], env, tmp / "mlflow-server.log",
+                       cwd=tmp) as proc:
+        wait_for(lambda: proc.poll() is not None or http_ok(f"http://127.0.0.1:{port}/health"), 120, "the MLflow server")
+        assert proc.poll() is None, (tmp / "mlflow-server.log").read_text()[-2000:]
+        yield f"http://127.0.0.1:{port}"

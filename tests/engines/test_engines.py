@@ -178,11 +178,12 @@ def test_engines_reattach_only_when_built_from_the_same_arguments(tiny_model_dir
     # reuse=False (a trainer that will not be restored): a fresh engine replaces the trained one.
     fresh = start_engine("train/torch", reuse=False, **args)
     assert ray.get(fresh.optimizer_steps.remote()) == 0
+    fresh_id = describe(fresh)["actor_id"]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(first.optimizer_steps.remote())
     # Other arguments (the config changed): replaced too, and only one actor of the role is left.
     changed = start_engine("train/torch", **{**args, "optim": OptimSpec(lr=1e-3)})
-    assert describe(changed)["actor_id"] != describe(fresh)["actor_id"]
+    assert describe(changed)["actor_id"] != fresh_id
     assert len(run_actor_names("t-replace", "trainer")) == 1
     stop_engine(changed)
 

@@ -1,5 +1,6 @@
-"""Prefect deployments end to end: a real Prefect server and process worker on 127.0.0.1, `rollflow
-deploy`, `prefect deployment run`, a SIGKILLed flow process retried with `prefect flow-run retry`."""
+"""Prefect deployments end to end, every service real and on 127.0.0.1: a Prefect server and process
+worker, an MLflow server (`infra/mlflow/start.sh`) keeping artifacts on S3 (moto); `rollflow deploy`,
+`prefect deployment run`, and a SIGKILLed flow process retried with `prefect flow-run retry`."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import urllib.request
 import pytest
 from mlflow.tracking import MlflowClient
 
-from services import REPO_ROOT, kill_all, process_group, processes_with_env, wait_for
+from services import REPO_ROOT, S3_SECRET, base_env, kill_all, mlflow_server, process_group, processes_with_env, wait_for
 
 pytestmark = pytest.mark.ray
 
 SECRET = "s3cr3t-" + os.urandom(6).hex()  # in the worker's environment; must never reach MLflow or logs
+ARTIFACTS = "rollflow-mlflow-artifacts"
 QUICK = ["eval.every=0", "tracking.sample_every=0"]
 
 
@@ -41,16 +43,26 @@ def _state(url: str, flow_run_id: str) -> str:
     return _api(url, f"/flow_runs/{flow_run_id}")["state"]["type"]
 
 
-def _mlflow(run_dir):
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
-    run = client.search_runs([client.get_experiment_by_name("rollflow").experiment_id])[0]
+def _mlflow(tracking_uri: str, run_name: str):
+    client = MlflowClient(tracking_uri=tracking_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("rollflow").experiment_id],
+                               filter_string=f"tags.`rollflow.run_name` = '{run_name}'")
     return client, run
 
 
 @pytest.fixture(scope="module")
-def worker(prefect_api, tmp_path_factory):
+def tracking(s3_server, tmp_path_factory):
+    client, aws = s3_server
+    client.create_bucket(Bucket=ARTIFACTS)
+    tmp = tmp_path_factory.mktemp("mlflow")
+    with mlflow_server(tmp, base_env(**aws, MLFLOW_ARTIFACTS_DESTINATION=f"s3://{ARTIFACTS}/mlflow")) as uri:
+        yield uri, client
+
+
+@pytest.fixture(scope="module")
+def worker(prefect_api, tracking, tmp_path_factory):
     url, env = prefect_api
-    env = {**env, "AWS_SECRET_ACCESS_KEY": SECRET}
+    env = {**env, "MLFLOW_TRACKING_URI": tracking[0], "HF_TOKEN": SECRET}
     deployed = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], env=env, cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=180)
     assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
@@ -75,19 +87,23 @@ def test_deployments_are_registered_with_typed_parameters_and_a_schedule(worker)
     assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["active"] is False  # ships paused
 
 
-def test_deployment_run_completes_and_registers_the_model(worker, tmp_path):
+def test_deployment_run_completes_and_registers_the_model(worker, tracking, tmp_path):
     url, env, _, worker_log = worker
+    tracking_uri, s3 = tracking
     run_dir = tmp_path / "run"
     params = {"preset": "tiny", "overrides": [f"run.dir={run_dir}", "run.name=deployed", *QUICK]}
     out = _prefect(env, "deployment", "run", "rlvr-preset/tiny", "--params", json.dumps(params), "--watch",
                    "--watch-interval", "2", "--watch-timeout", "400", timeout=420)
     assert "Completed" in out, out[-2000:]
 
-    client, run = _mlflow(run_dir)
+    client, run = _mlflow(tracking_uri, "deployed")
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "progress/rl_step")) == [1, 2, 3, 4]
     [version] = client.search_model_versions("name='deployed'")
     assert version.run_id == run.info.run_id and version.source.endswith("/final_model")
+    # The server proxied the artifacts to S3: the registered model's weights are in the bucket.
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=ARTIFACTS)["Contents"]]
+    assert any(k.endswith(f"{run.info.run_id}/artifacts/final_model/model.safetensors") for k in keys), keys[:10]
     from configs.loader import load_config
     from flows.lineage import config_hash, dataset_fingerprint
     from flows.setup import load_rows
@@ -99,7 +115,8 @@ def test_deployment_run_completes_and_registers_the_model(worker, tmp_path):
     assert version.tags["rollflow.git_commit"].startswith(head)
     assert "rollflow.parent_run_id" not in version.tags  # started from a fresh tiny model: no parent stage
 
-    # Credentials in the worker's environment appear nowhere: params, tags, artifacts, run dir, logs.
+    # Credentials in the worker's environment (an HF token, the S3 key the MLflow server uses) appear
+    # nowhere: params, tags, artifacts, run dir, worker and Prefect logs.
     artifacts = client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts"))
     texts = [json.dumps(run.data.params), json.dumps(run.data.tags), json.dumps(version.tags), worker_log.read_text()]
     for folder in (artifacts, run_dir):
@@ -107,10 +124,10 @@ def test_deployment_run_completes_and_registers_the_model(worker, tmp_path):
                   if p.is_file() and p.suffix in {".json", ".yaml", ".txt", ""}]
     logs = _api(url, "/logs/filter", {"limit": 200})
     texts.append(json.dumps(logs))
-    assert len(texts) > 6 and not [t[:80] for t in texts if SECRET in t]
+    assert len(texts) > 6 and not [t[:80] for t in texts if SECRET in t or S3_SECRET in t]
 
 
-def test_killed_flow_run_retried_from_prefect_resumes_from_its_checkpoint(worker, tmp_path):
+def test_killed_flow_run_retried_from_prefect_resumes_from_its_checkpoint(worker, tracking, tmp_path):
     url, env, worker_proc, _ = worker
     run_dir = tmp_path / "run"
     params = {"preset": "tiny", "overrides": [f"run.dir={run_dir}", "run.name=crashy", "train.steps=6",
@@ -135,8 +152,8 @@ def test_killed_flow_run_retried_from_prefect_resumes_from_its_checkpoint(worker
     final_state = json.loads((run_dir / "final" / "state.json").read_text())
     assert final_state["step"] == 6
     assert final_state["resumed_from"] == [max(steps_done)]  # continued from the newest checkpoint, not step 0
-    client, run = _mlflow(run_dir)
+    client, run = _mlflow(tracking[0], "crashy")
     for key in ("progress/rl_step", "reward/mean", "train/loss"):  # every step exactly once across both attempts
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3, 4, 5, 6], key
     assert run.info.status == "FINISHED"
-    assert [v.version for v in client.search_model_versions("name='crashy'")] == [1]
+    assert [int(v.version) for v in client.search_model_versions("name='crashy'")] == [1]

@@ -5,42 +5,28 @@ checkpoint complete and resumable."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 
-import boto3
 import pytest
 from mlflow.tracking import MlflowClient
 
-from services import REPO_ROOT, free_port, wait_for
+from services import REPO_ROOT, S3_SECRET as SECRET, wait_for
 
 pytestmark = pytest.mark.ray
 
 BUCKET = "rollflow-ckpt"
-SECRET = "moto-secret-" + os.urandom(6).hex()
 
 
 @pytest.fixture(scope="module")
-def s3(prefect_api, tmp_path_factory):
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    aws = {"AWS_ACCESS_KEY_ID": "rollflow-test", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    client = boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], aws_access_key_id=aws["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=SECRET, region_name="us-east-1")
+def s3(s3_server, prefect_api):
+    client, aws = s3_server
     client.create_bucket(Bucket=BUCKET)
     _, prefect_env = prefect_api
-    env = {**prefect_env, **aws}
-    yield client, env
-    server.stop()
+    yield client, {**prefect_env, **aws}
 
 
 def _exists(client, key: str) -> bool:
