@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 
-TASKS = ("generate", "score", "advantages", "train", "sync_weights", "evaluate", "checkpoint")
+TASKS = ("generate_and_score", "advantages", "train", "sync_weights", "evaluate", "checkpoint")
 
 
 def main(argv: list[str]) -> None:

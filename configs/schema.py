@@ -92,9 +92,46 @@ class ArithmeticConfig(Section):
         return self
 
 
+class DomainConfig(Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Domain name: labels its metrics (domain/<name>/…) and its sampler position."""
+    reward: str
+    """Registered reward function scoring this domain (engines.rewards)."""
+    reward_options: dict[str, float | int | bool | str] = {}
+    """Keyword options of the reward, e.g. {mode: all_pass} for code; see the reward's docstring."""
+    share: float = Field(gt=0)
+    """Prompts per step from this domain: a count (2) or a ratio (0.25); all counts sum to
+    rollout.prompts_per_step, or all ratios sum to 1 (rounded to counts the same way every step)."""
+    source: Literal["arithmetic", "files"] = "files"
+    """files: train_path / heldout_path; arithmetic: the built-in generator."""
+    arithmetic: ArithmeticConfig = ArithmeticConfig(num_train=200, num_heldout=16, max_operand=30)
+    """Generator settings (source: arithmetic)."""
+    train_path: str | None = None
+    """jsonl, parquet or a saved dataset folder with prompt/answer columns (source: files)."""
+    heldout_path: str | None = None
+    """Same schema, for evaluation (source: files)."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Longest a reward call on one chunk of samples may take; past it the chunk scores 0 (counted as timeout)."""
+
+    @model_validator(mode="after")
+    def _valid(self):
+        from engines.rewards import get_reward, reward_names
+
+        if self.reward not in reward_names():
+            close = difflib.get_close_matches(self.reward, reward_names(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"domain {self.name!r}: unknown reward {self.reward!r}; {hint}registered: "
+                             f"{', '.join(reward_names())}")
+        _check_options(_keyword_options(get_reward(self.reward), set()), self.reward, self.reward_options, "reward")
+        if self.source == "files" and not (self.train_path and self.heldout_path):
+            raise ValueError(f"domain {self.name!r} needs train_path and heldout_path (or source: arithmetic)")
+        return self
+
+
 class DataConfig(Section):
-    source: Literal["arithmetic", "files"] = "arithmetic"
-    """arithmetic: the built-in generator; files: datasets loaded from train_path / heldout_path."""
+    source: Literal["arithmetic", "files", "domains"] = "arithmetic"
+    """arithmetic: the built-in generator; files: datasets loaded from train_path / heldout_path;
+    domains: several datasets, each with its reward and per-step share (``domains``)."""
     arithmetic: ArithmeticConfig = ArithmeticConfig()
     """Generator settings (source: arithmetic)."""
     train_path: str | None = None
@@ -106,16 +143,38 @@ class DataConfig(Section):
     answer_key: str = "answer"
     """Column holding the reference answer the reward checks."""
 
+    domains: list[DomainConfig] = []
+    """Multi-domain RLVR (source: domains): each batch takes exactly each domain's share of prompts."""
+
     @model_validator(mode="after")
     def _paths_for_files(self):
         if self.source == "files" and not (self.train_path and self.heldout_path):
             raise ValueError("source 'files' needs data.train_path and data.heldout_path")
+        if (self.source == "domains") != bool(self.domains):
+            raise ValueError("data.domains is used exactly when data.source is 'domains'")
+        names = [d.name for d in self.domains]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.domains has a repeated name: {names}")
         return self
 
 
 class RewardConfig(Section):
     name: str = "math"
-    """Registered reward function (engines.rewards)."""
+    """Registered reward function (engines.rewards) of a single-domain run (each domain names its own)."""
+    workers: int = Field(1, gt=0)
+    """Reward worker actors; scoring calls are spread over them."""
+    concurrency: int = Field(4, gt=0)
+    """Reward calls in flight per worker at most (threads; code rewards run one sandbox process each)."""
+    chunk_size: int = Field(8, gt=0)
+    """Samples per reward call: the unit a timeout or an exception scores 0."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Longest one reward call may take in a single-domain run (domains set their own)."""
+    async_scoring: bool = True
+    """Score each generation chunk as soon as it is done, while the next one generates; false = generate
+    the whole batch, then score it."""
+    generation_chunks: int = Field(1, gt=0)
+    """Split each step's prompts into this many generation calls (per domain at least one), so scoring
+    can start before generation ends."""
 
     @model_validator(mode="after")
     def _known(self):
@@ -391,4 +450,14 @@ class Config(Section):
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         if self.algorithm.dynamic_sampling.enabled and self.rollout.group_size < 2:
             raise ValueError("dynamic sampling compares rewards within a group; rollout.group_size must be >= 2")
+        if self.data.domains:
+            from engines.data.domains import domain_counts
+
+            if "name" in self.reward.model_fields_set:
+                raise ValueError("reward.name is for single-domain runs; with data.domains each domain names its reward")
+            domain_counts([d.share for d in self.data.domains], self.rollout.prompts_per_step,
+                          [d.name for d in self.data.domains])  # raises when the shares do not fit
+            if self.algorithm.dynamic_sampling.enabled:
+                raise ValueError("dynamic sampling drops groups and would change the domains' shares; "
+                                 "disable algorithm.dynamic_sampling with data.domains")
         return self

@@ -66,14 +66,15 @@ def _responsive(handle, timeout_s: float) -> bool:
 
 
 def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num_cpus: float = 0,
-                 num_gpus: float = 0, runtime_env: dict | None = None, **kwargs: Any):
+                 num_gpus: float = 0, runtime_env: dict | None = None, max_concurrency: int | None = None,
+                 **kwargs: Any):
     """The actor ``<run>/<role>``: the live one built from the same ``kind`` and ``kwargs`` if there is
     one and ``reuse``, else a new one (replacing any actor of this run and role). Pass ``reuse=False``
     for a trainable engine that will not be restored from a checkpoint: its weights may have moved.
 
     Actors never restart and their calls never retry: a crash fails the step, and resume goes through
     the checkpoint instead of a half-updated actor."""
-    name = actor_name(run_name, role, fingerprint(kind, kwargs))
+    name = actor_name(run_name, role, fingerprint(kind, {**kwargs, "max_concurrency": max_concurrency}))
     for other in run_actor_names(run_name, role):
         if other != name or not reuse:
             _kill_named(other)  # built from another config: not interchangeable
@@ -95,6 +96,7 @@ def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num
         max_restarts=0,
         max_task_retries=0,
         runtime_env=runtime_env,
+        **({"max_concurrency": max_concurrency} if max_concurrency else {}),  # threaded actor: calls overlap
     ).remote(**kwargs)
 
 

@@ -6,35 +6,88 @@ store, and tests call them directly.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
 from engines.algorithms import advantages, kl
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, shape_advantages, shape_sequence_rewards
-from engines.rewards import get_reward
+from engines.rewards.runner import score_samples
 from engines.types import Rollouts, TrainBatch, build_train_batch
 
 
-def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, list], reward: str):
-    """Reward each completion; returns ``(rewards [B], summary)``. Inputs are per-row (already repeated)."""
+@dataclass(frozen=True)
+class ScoreSpec:
+    """How one batch of rollouts is scored: which reward with which options, in what chunks."""
+
+    reward: str
+    options: dict = field(default_factory=dict)
+    domain: str = "default"
+    chunk_size: int = 8
+    concurrency: int = 4
+    timeout_s: float = 30.0
+
+
+def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, list], spec: ScoreSpec):
+    """Reward each completion; returns ``(rewards [B], stats)``. Inputs are per-row (already repeated).
+
+    ``stats`` are sums (``summarize`` turns the stats of several chunks and domains into metrics)."""
     start = time.perf_counter()
-    reward_fn = get_reward(reward)
-    rewards = torch.tensor(reward_fn(prompts, rollouts.completions, **columns), dtype=torch.float32)
+    values, events = score_samples(spec.reward, prompts, rollouts.completions, columns, spec.options,
+                                   chunk_size=spec.chunk_size, concurrency=spec.concurrency, timeout_s=spec.timeout_s)
+    rewards = torch.tensor(values, dtype=torch.float32)
     lengths = rollouts.response_lengths.float()
-    summary = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "reward/accuracy": float((rewards >= 1.0).float().mean()),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/truncated_frac": sum(r == "length" for r in rollouts.finish_reasons) / len(rollouts.finish_reasons),
-        "rollout/tokens": float(lengths.sum()),
-        "perf/generate_compute_s": rollouts.compute_seconds,
-        "perf/score_compute_s": time.perf_counter() - start,
+    stats = {
+        "domain": spec.domain, "n": len(values), "reward_sum": float(rewards.sum()),
+        "reward_sq_sum": float((rewards ** 2).sum()), "correct": int((rewards >= 1.0).sum()),
+        "length_sum": float(lengths.sum()), "length_max": float(lengths.max()) if len(lengths) else 0.0,
+        "truncated": sum(r == "length" for r in rollouts.finish_reasons), "events": events,
+        "generate_s": rollouts.compute_seconds, "score_s": time.perf_counter() - start,
     }
-    return rewards, summary
+    return rewards, stats
+
+
+def summarize(stats: list[dict]) -> dict[str, float]:
+    """Metrics of a step from the ``score_rollouts`` stats of its chunks: overall ``reward/…``,
+    ``response/…`` and, per domain, ``domain/<name>/{reward_mean,accuracy,response_length,<event>}``
+    (events such as ``timeout``, ``error``, ``violation`` are counts, 0 when none happened)."""
+    def block(items: list[dict]) -> dict[str, float]:
+        n = sum(s["n"] for s in items)
+        mean = sum(s["reward_sum"] for s in items) / max(n, 1)
+        var = (sum(s["reward_sq_sum"] for s in items) - n * mean * mean) / max(n - 1, 1)
+        return {"n": n, "mean": mean, "std": math.sqrt(max(var, 0.0)),
+                "accuracy": sum(s["correct"] for s in items) / max(n, 1),
+                "length": sum(s["length_sum"] for s in items) / max(n, 1),
+                "events": sum((Counter(s["events"]) for s in items), Counter())}
+
+    overall = block(stats)
+    metrics = {
+        "reward/mean": overall["mean"], "reward/std": overall["std"], "reward/accuracy": overall["accuracy"],
+        "response/length_mean": overall["length"],
+        "response/length_max": max((s["length_max"] for s in stats), default=0.0),
+        "response/truncated_frac": sum(s["truncated"] for s in stats) / max(overall["n"], 1),
+        "rollout/tokens": sum(s["length_sum"] for s in stats),
+        "perf/generate_compute_s": sum(s["generate_s"] for s in stats),
+        "perf/score_compute_s": sum(s["score_s"] for s in stats),
+        "reward/failed": float(sum(overall["events"][k] for k in ("error", "timeout", "nan"))),
+    }
+    domains = sorted({s["domain"] for s in stats})
+    if domains != ["default"]:
+        for name in domains:
+            d = block([s for s in stats if s["domain"] == name])
+            prefix = f"domain/{name}/"
+            metrics.update({prefix + "reward_mean": d["mean"], prefix + "accuracy": d["accuracy"],
+                            prefix + "response_length": d["length"], prefix + "samples": float(d["n"])})
+            for event in sorted(set(COUNTED_EVENTS) | set(d["events"])):
+                metrics[prefix + event] = float(d["events"][event])
+    return metrics
+
+
+COUNTED_EVENTS = ("error", "timeout", "nan")
+"""Runner events every domain reports (as 0 when none), so a failure shows as a step in the MLflow chart."""
 
 
 @dataclass(frozen=True)
@@ -126,8 +179,8 @@ class RewardWorker:
     An actor rather than Ray tasks: this module's imports (the reward libraries) happen once, when the
     actor starts in parallel with the model engines, and calls never hit a cold worker."""
 
-    def score(self, rollouts: Rollouts, prompts: list[str], columns: dict[str, list], reward: str):
-        return score_rollouts(rollouts, prompts, columns, reward)
+    def score(self, rollouts: Rollouts, prompts: list[str], columns: dict[str, list], spec: ScoreSpec):
+        return score_rollouts(rollouts, prompts, columns, spec)
 
     def advantage_batch(self, rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor,
                         spec: AdvantageSpec, **kwargs):

@@ -25,23 +25,22 @@ import torch
 from prefect import flow
 
 from configs.schema import Config
-from flows.setup import final_dir, load_rows
+from flows.setup import final_dir, load_domains
 from engines import checkpoint_store as store
-from engines.actors import describe, start_engine, stop_engine
+from engines.actors import describe, run_actor_names, start_engine, stop_engine
 from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import PolicyObjective, ValueObjective
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, refill_rows
-from engines.data.sampler import take
-from engines.rollout_ops import AdvantageSpec
+from engines.data.domains import draw
+from engines.rollout_ops import AdvantageSpec, ScoreSpec, summarize
 from engines.training.torch import OptimSpec
 from engines.types import SamplingParams
 from tasks.advantages import compute_advantages
 from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
-from tasks.generate import generate
 from tasks.progress import StageProgress
-from tasks.score import score
+from tasks.score import Chunk, generate_and_score
 from tasks.sync import sync_weights
 from tasks.tracking import RunTracker
 from tasks.train import train
@@ -53,9 +52,15 @@ class RLEngines:
     trainer: object
     reference: object | None
     critic: object | None
-    reward_worker: object
+    reward_workers: list
+    judge: object | None
     pad_token_id: int
     stop_token_ids: tuple[int, ...]
+
+    @property
+    def reward_worker(self):
+        """The worker that also builds advantage batches and joins rollouts."""
+        return self.reward_workers[0]
 
     @property
     def train_engines(self) -> dict:
@@ -63,7 +68,7 @@ class RLEngines:
         return {"policy": self.trainer, **({"critic": self.critic} if self.critic is not None else {})}
 
     def stop(self) -> None:
-        for handle in (self.rollout, self.trainer, self.reference, self.critic, self.reward_worker):
+        for handle in (self.rollout, self.trainer, self.reference, self.critic, self.judge, *self.reward_workers):
             if handle is not None:
                 stop_engine(handle)
 
@@ -90,16 +95,28 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngi
         critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=config.train.steps)
         critic = start_engine(f"train/{config.train.engine}", role="critic", optim=critic_optim, seed=config.run.seed,
                               micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
-    reward_worker = start_engine("reward/worker", run_name=config.run.name, role="reward")
+    # Threaded actors: a worker takes several chunks at once; its reward pool bounds the calls in flight.
+    reward_workers = [start_engine("reward/worker", run_name=config.run.name, role=f"reward-{i}",
+                                   max_concurrency=2 * config.reward.concurrency)
+                      for i in range(config.reward.workers)]
+    judge = None
+    judges = {d.reward_options.get("model_path") or model_path for d in config.data.domains if d.reward == "judge"}
+    if judges:  # one judge model per run: the LLM-as-judge reward's own inference engine
+        if len(judges) > 1:
+            raise ValueError(f"judge domains name different models {sorted(judges)}; use one")
+        [judge_path] = judges
+        judge = start_engine("rollout/hf", role="judge", run_name=config.run.name, model_path=judge_path,
+                             dtype=config.model.dtype, torch_threads=config.run.torch_threads)
     tokenizer = load_tokenizer(model_path)
-    return RLEngines(rollout, trainer, reference, critic, reward_worker, tokenizer.pad_token_id,
+    return RLEngines(rollout, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
                      stop_token_ids(tokenizer, config.rollout.stop))
 
 
 def record_engines(run_dir: str, engines: RLEngines) -> None:
     """``<run.dir>/engines.json``: actor id, pid and node of each engine of the current attempt."""
     roles = {"rollout": engines.rollout, "trainer": engines.trainer, "reference": engines.reference,
-             "critic": engines.critic, "reward": engines.reward_worker}
+             "critic": engines.critic, "judge": engines.judge, "reward": engines.reward_worker,
+             **{f"reward-{i}": w for i, w in enumerate(engines.reward_workers[1:], start=1)}}
     store.write_json(store.join(run_dir, "engines.json"),
                      {role: describe(handle) for role, handle in roles.items() if handle is not None})
 
@@ -130,12 +147,39 @@ class ScoredBatch:
     group_ids: list[int]
     prompts: list[str]
     columns: dict[str, list]
-    data_position: int
+    positions: dict[str, int]
     metrics: dict[str, float]
 
 
-def sample_batch(cfg: Config, engines: RLEngines, train_rows: list[dict], position: int, step: int) -> ScoredBatch:
-    """Generate and score ``prompts_per_step × group_size`` rollouts.
+def score_spec(cfg: Config, domain, engines: RLEngines) -> ScoreSpec:
+    options = dict(domain.reward_options)
+    if domain.reward == "judge" and engines.judge is not None:
+        [options["engine_actor"]] = run_actor_names(cfg.run.name, "judge")
+    return ScoreSpec(domain.reward, options, domain.name, cfg.reward.chunk_size, cfg.reward.concurrency,
+                     domain.timeout_s)
+
+
+def build_chunks(cfg: Config, engines: RLEngines, drawn: list, seed: int) -> list[Chunk]:
+    """The step's generation calls: each domain's prompts (groups kept whole) in up to
+    ``reward.generation_chunks`` pieces, each with the domain's scoring."""
+    group, chunks = cfg.rollout.group_size, []
+    for domain, rows in drawn:
+        pieces = min(cfg.reward.generation_chunks, len(rows))
+        bounds = [round(i * len(rows) / pieces) for i in range(pieces + 1)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = rows[lo:hi]
+            keys = sorted({k for row in part for k in row} - {"prompt"})
+            sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                      top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                      stop_token_ids=engines.stop_token_ids, seed=seed + 7919 * len(chunks))
+            chunks.append(Chunk([row["prompt"] for row in part for _ in range(group)],
+                                {k: [row.get(k) for row in part for _ in range(group)] for k in keys},
+                                sampling, score_spec(cfg, domain, engines)))
+    return chunks
+
+
+def sample_batch(cfg: Config, engines: RLEngines, domains: list, positions: dict[str, int], step: int) -> ScoredBatch:
+    """Generate and score ``prompts_per_step × group_size`` rollouts, each domain's share of them.
 
     With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
     drawn, up to ``max_rounds`` rounds; ``dynamic/fill_ratio`` is the share of the batch filled. Reward
@@ -145,24 +189,28 @@ def sample_batch(cfg: Config, engines: RLEngines, train_rows: list[dict], positi
     parts, metrics = [], {}
     kept_groups = 0
     for round_index in range(dynamic.max_rounds if dynamic.enabled else 1):
-        indices, position = take(len(train_rows), position, prompts_per_step, seed=cfg.run.seed)
-        rows = [train_rows[i] for i in indices]
-        prompts = [row["prompt"] for row in rows for _ in range(group)]
-        columns = {key: [row[key] for row in rows for _ in range(group)] for key in rows[0] if key != "prompt"}
-        group_ids = [j for j in range(prompts_per_step) for _ in range(group)]
-        sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=engines.stop_token_ids,
-                                  seed=(cfg.run.seed * 1_000_003 + step) * 101 + round_index)
-        with timed(metrics, "time/generate"):
-            rollouts_ref = generate(engines.rollout, prompts, sampling)
-        with timed(metrics, "time/score"):
-            rewards_ref, score_metrics = score(engines.reward_worker, rollouts_ref, prompts, columns, cfg.reward.name)
+        drawn, positions = draw(domains, positions)
+        chunks = build_chunks(cfg, engines, drawn, seed=(cfg.run.seed * 1_000_003 + step) * 101 + round_index)
+        with timed(metrics, "time/generate_and_score"):
+            results = generate_and_score(engines.rollout, engines.reward_workers, chunks, cfg.reward.async_scoring)
+        stats = [r[2] for r in results]
         if round_index == 0:
-            metrics.update(score_metrics)
+            metrics.update(summarize(stats))
         else:
-            metrics["rollout/tokens"] += score_metrics["rollout/tokens"]
+            metrics["rollout/tokens"] += sum(s["length_sum"] for s in stats)
+        prompts = [p for c in chunks for p in c.prompts]
+        keys = sorted({k for c in chunks for k in c.columns})
+        columns = {k: [v for c in chunks for v in c.columns.get(k, [None] * len(c.prompts))] for k in keys}
+        columns["domain"] = [c.score.domain for c in chunks for _ in c.prompts]
+        if len(results) == 1:
+            rollouts_ref, rewards_ref = results[0][:2]
+        else:
+            rollouts_ref = engines.reward_worker.concat.remote([list(range(len(c.prompts))) for c in chunks],
+                                                               *[r[0] for r in results])
+            rewards_ref = ray.put(torch.cat(ray.get([r[1] for r in results])))
+        group_ids = [j for j in range(prompts_per_step) for _ in range(group)]
         if not dynamic.enabled:
-            return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, position, metrics)
+            return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, positions, metrics)
         kept_rows = refill_rows(ray.get(rewards_ref), group, prompts_per_step - kept_groups)
         parts.append((rollouts_ref, rewards_ref, kept_rows, prompts, columns))
         kept_groups += len(kept_rows) // group
@@ -172,21 +220,36 @@ def sample_batch(cfg: Config, engines: RLEngines, train_rows: list[dict], positi
     metrics["dynamic/rounds"] = float(len(parts))
     if kept_groups == 0:  # nothing informative: train on the last round as drawn (its group advantages are 0)
         rollouts_ref, rewards_ref, _, prompts, columns = parts[-1]
-        return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, position, metrics)
+        return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, positions, metrics)
     rows_per_part = [part[2] for part in parts]
     rollouts_ref = engines.reward_worker.concat.remote(rows_per_part, *[part[0] for part in parts])
     rewards = torch.cat([ray.get(part[1])[rows] for part, rows in zip(parts, rows_per_part)])
     prompts = [part[3][i] for part, rows in zip(parts, rows_per_part) for i in rows]
     columns = {key: [part[4][key][i] for part, rows in zip(parts, rows_per_part) for i in rows] for key in parts[0][4]}
     group_ids = [j for j in range(kept_groups) for _ in range(group)]
-    return ScoredBatch(rollouts_ref, ray.put(rewards), group_ids, prompts, columns, position, metrics)
+    return ScoredBatch(rollouts_ref, ray.put(rewards), group_ids, prompts, columns, positions, metrics)
 
 
-def heldout_eval(config: Config, engines: RLEngines, heldout_rows: list[dict]):
-    rows = heldout_rows[: config.eval.num_prompts] if config.eval.num_prompts else heldout_rows
+def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[float, dict[str, float], list[dict]]:
+    """Held-out accuracy over every domain's rows, each domain's own, and sample generations."""
     sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.eval.temperature,
                               stop_token_ids=engines.stop_token_ids, seed=config.run.seed)
-    return evaluate(engines.rollout, engines.reward_worker, rows, sampling, config.reward.name)
+    per_domain, samples, correct, total = {}, [], 0.0, 0
+    for domain in domains:
+        rows = domain.heldout_rows[: config.eval.num_prompts] if config.eval.num_prompts else domain.heldout_rows
+        accuracy, domain_samples = evaluate(engines.rollout, engines.reward_worker, rows, sampling,
+                                            score_spec(config, domain, engines))
+        per_domain[domain.name] = accuracy
+        samples += domain_samples
+        correct, total = correct + accuracy * len(rows), total + len(rows)
+    return correct / max(total, 1), per_domain, samples
+
+
+def eval_metrics(accuracy: float, per_domain: dict[str, float]) -> dict[str, float]:
+    metrics = {"eval/heldout_accuracy": accuracy}
+    if list(per_domain) != ["default"]:
+        metrics.update({f"eval/{name}/accuracy": value for name, value in per_domain.items()})
+    return metrics
 
 
 @flow(name="rlvr", persist_result=False)
@@ -194,7 +257,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     """RL from ``model_path`` with ``config.algorithm``; returns the final state (step, data position,
     held-out accuracies, KL coefficient, running reward moments, the checkpoint steps resumed from)."""
     cfg, run_dir, alg = config, config.run.resolved_dir, config.algorithm
-    train_rows, heldout_rows = load_rows(cfg)
+    domains = load_domains(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     latest = store.latest_checkpoint(run_dir)
     engines = start_rl_engines(cfg, model_path, restoring=latest is not None)
@@ -204,23 +267,25 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     advantage_spec = build_advantage_spec(cfg, engines.pad_token_id)
     old_logprob_engine = engines.trainer if alg.old_logprobs == "trainer" else None
 
-    state = {"step": 0, "data_position": 0, "heldout_accuracy": {}, "mlflow_run_id": mlflow_run_id,
+    state = {"step": 0, "data_position": 0, "domain_positions": {}, "heldout_accuracy": {}, "mlflow_run_id": mlflow_run_id,
              "kl_coef": alg.kl.coef, "reward_moments": dataclasses.asdict(RunningMoments()), "resumed_from": []}
     if latest is not None:
         state = {**state, **restore(engines.train_engines, latest[1])}
         state["resumed_from"] = [*state["resumed_from"], state["step"]]  # each attempt's starting checkpoint
     sync_weights(engines.trainer, [engines.rollout], state["step"], cfg.sync.bucket_mb)
+    if not state["domain_positions"] and state["data_position"]:  # a checkpoint from before domains
+        state["domain_positions"] = {"default": state["data_position"]}
     if state["step"] == 0:
-        accuracy, samples = heldout_eval(cfg, engines, heldout_rows)
+        accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
         state["heldout_accuracy"]["0"] = accuracy
-        tracker.log_step("eval", 0, {"eval/heldout_accuracy": accuracy})
+        tracker.log_step("eval", 0, eval_metrics(accuracy, per_domain))
         tracker.log_samples("eval_step_000000", samples[: cfg.tracking.num_samples])
 
     progress = StageProgress("rl", cfg.train.steps, start=state["step"],
                              keys=("reward/mean", "eval/heldout_accuracy", "time/step"))
     for step in range(state["step"] + 1, cfg.train.steps + 1):
         step_start = time.perf_counter()
-        scored = sample_batch(cfg, engines, train_rows, state["data_position"], step)
+        scored = sample_batch(cfg, engines, domains, state["domain_positions"], step)
         metrics = scored.metrics
         with timed(metrics, "time/advantages"):
             batch_ref, advantage_metrics, moments = compute_advantages(
@@ -242,21 +307,22 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
                                                 target_kl=alg.kl.target, horizon=alg.kl.horizon,
                                                 num_samples=len(scored.group_ids))
             metrics["kl/coef"] = state["kl_coef"]
-        state["step"], state["data_position"] = step, scored.data_position
+        state["step"], state["domain_positions"] = step, scored.positions
+        state["data_position"] = sum(scored.positions.values())  # prompts drawn so far, all domains
         state["reward_moments"] = dataclasses.asdict(moments)
 
         if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
             with timed(metrics, "time/evaluate"):
-                accuracy, samples = heldout_eval(cfg, engines, heldout_rows)
+                accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
             state["heldout_accuracy"][str(step)] = accuracy
-            metrics["eval/heldout_accuracy"] = accuracy
+            metrics.update(eval_metrics(accuracy, per_domain))
             tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
         if cfg.tracking.sample_every and step % cfg.tracking.sample_every == 0:
             tracker.log_samples(f"rollouts_step_{step:06d}",
                                 rollout_samples(ray.get(scored.rollouts_ref), scored.prompts, scored.columns,
                                                 ray.get(scored.rewards_ref), cfg.tracking.num_samples))
         metrics["time/step"] = time.perf_counter() - step_start
-        metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["time/generate"], 1e-9)
+        metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/generate_compute_s"], 1e-9)
         tracker.log_step("rl", step, metrics)  # flushed before any checkpoint can claim this step
         progress.update(step, metrics)
 
@@ -273,6 +339,6 @@ def rollout_samples(rollouts, prompts: list[str], columns: dict[str, list], rewa
     answers = columns.get("answer", [""] * len(prompts))
     return [
         {"prompt": prompts[i], "completion": rollouts.completions[i], "answer": str(answers[i]),
-         "reward": float(rewards[i]), "finish_reason": rollouts.finish_reasons[i]}
+         "reward": float(rewards[i]), "finish_reason": rollouts.finish_reasons[i], "domain": columns["domain"][i]}
         for i in range(min(limit, len(prompts)))
     ]

@@ -28,19 +28,43 @@ def ensure_ray() -> None:
     )
 
 
-def load_rows(config: Config) -> tuple[list[dict], list[dict]]:
-    """``(train_rows, heldout_rows)``, each row ``{"prompt", "answer", …}``."""
-    data = config.data
-    if data.source == "arithmetic":
+def load_domains(config: Config) -> list:
+    """The run's domains (``engines.data.domains.Domain``): those of ``data.domains``, or one domain
+    ``default`` with ``reward.name`` and every prompt of the step."""
+    from engines.data.domains import Domain, domain_counts, domain_seed
+
+    data, reward = config.data, config.reward
+    if data.source != "domains":
+        train, heldout = _split_rows(data.source, data.arithmetic, data.train_path, data.heldout_path, config)
+        return [Domain("default", reward.name, train, heldout, config.rollout.prompts_per_step,
+                       sampler_seed=config.run.seed, timeout_s=reward.timeout_s)]
+    counts = domain_counts([d.share for d in data.domains], config.rollout.prompts_per_step,
+                           [d.name for d in data.domains])
+    domains = []
+    for spec, count in zip(data.domains, counts):
+        train, heldout = _split_rows(spec.source, spec.arithmetic, spec.train_path, spec.heldout_path, config)
+        domains.append(Domain(spec.name, spec.reward, train, heldout, count, sampler_seed=domain_seed(config.run.seed, spec.name),
+                              reward_options=dict(spec.reward_options), timeout_s=spec.timeout_s))
+    return domains
+
+
+def _split_rows(source: str, arithmetic, train_path: str | None, heldout_path: str | None,
+                config: Config) -> tuple[list[dict], list[dict]]:
+    if source == "arithmetic":
         from engines.data.arithmetic import make_arithmetic_splits
 
-        a = data.arithmetic
-        return make_arithmetic_splits(num_train=a.num_train, num_heldout=a.num_heldout, max_operand=a.max_operand,
-                                      ops=tuple(a.ops), seed=config.run.seed)
+        return make_arithmetic_splits(num_train=arithmetic.num_train, num_heldout=arithmetic.num_heldout,
+                                      max_operand=arithmetic.max_operand, ops=tuple(arithmetic.ops), seed=config.run.seed)
     from engines.data.prompts import load_prompt_rows
 
-    keys = dict(prompt_key=data.prompt_key, answer_key=data.answer_key)
-    return load_prompt_rows(data.train_path, **keys), load_prompt_rows(data.heldout_path, **keys)
+    keys = dict(prompt_key=config.data.prompt_key, answer_key=config.data.answer_key)
+    return load_prompt_rows(train_path, **keys), load_prompt_rows(heldout_path, **keys)
+
+
+def load_rows(config: Config) -> tuple[list[dict], list[dict]]:
+    """``(train_rows, heldout_rows)`` of every domain, each row ``{"prompt", "answer", …}``."""
+    domains = load_domains(config)
+    return [r for d in domains for r in d.train_rows], [r for d in domains for r in d.heldout_rows]
 
 
 def base_model_path(config: Config, train_rows: list[dict]) -> str:

@@ -1,21 +1,36 @@
 """Reward functions, registered by name.
 
-A reward function is a batched callable ``(prompts, completions, **columns) -> list[float]``: ``prompts``
-and ``completions`` are ``list[str]`` of the same length, and every dataset column other than ``prompt``
-(``answer`` among them, see ``engines.data.prompts``) arrives as a keyword list aligned with them.
-It returns one float per completion. Register one with ``@REWARDS.register("name")``; a duplicate name
-is an error and ``get_reward`` of an unknown name lists the registered ones.
+A reward function is a batched callable ``(prompts, completions, **columns, **options) -> list[float]``
+(it may be ``async def``): ``prompts`` and ``completions`` are ``list[str]`` of the same length, every
+dataset column other than ``prompt`` (``answer`` among them, see ``engines.data.prompts``) arrives as a
+keyword list aligned with them, and ``options`` are the scalar keyword-only settings a domain's config
+gives it (``reward_options``; each must have a default). It returns one float per completion, or a
+``Scored`` that also counts events (``timeout``, ``sandbox_violation``, …) for the metrics.
+
+Register one with ``@REWARDS.register("name")``; a duplicate name is an error and ``get_reward`` of an
+unknown name lists the registered ones. The scoring runner (``engines.rewards.runner``) calls a reward
+on small chunks of samples with a timeout: an exception or a timeout scores the chunk 0.0 and is counted,
+so one bad completion or a buggy reward never stops a run.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines.registry import Registry
 
 
 class RewardFn(Protocol):
-    def __call__(self, prompts: list[str], completions: list[str], **columns: list[Any]) -> list[float]: ...
+    def __call__(self, prompts: list[str], completions: list[str], **columns: list[Any]) -> "list[float] | Scored": ...
+
+
+@dataclass
+class Scored:
+    """Rewards plus counted events, e.g. ``Scored([1.0, 0.0], {"timeout": 1})``."""
+
+    rewards: list[float]
+    events: dict[str, int] = field(default_factory=dict)
 
 
 REWARDS: Registry[RewardFn] = Registry("reward function")
@@ -33,3 +48,4 @@ def reward_names() -> list[str]:
 
 # Imported for its @REWARDS.register side effect; after REWARDS exists, since it imports REWARDS.
 from engines.rewards import math as _math  # noqa: E402,F401
+from engines.rewards import judge as _judge  # noqa: E402,F401

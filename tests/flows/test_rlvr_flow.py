@@ -39,7 +39,7 @@ def test_two_step_flow(tmp_path, ray_cluster, prefect_server):
     assert run.info.status == "FINISHED"
     assert run.data.params["rollout.group_size"] == "8"
     for key in ("reward/mean", "reward/std", "reward/accuracy", "response/length_mean", "actor/kl",
-                "actor/entropy", "actor/clipfrac", "train/grad_norm", "train/lr", "time/generate", "time/train",
+                "actor/entropy", "actor/clipfrac", "train/grad_norm", "train/lr", "time/generate_and_score", "time/train",
                 "perf/tokens_per_s"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2], key
     evals = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/heldout_accuracy"))
