@@ -453,8 +453,9 @@ class Config(Section):
         if self.data.domains:
             from engines.data.domains import domain_counts
 
-            if "name" in self.reward.model_fields_set:
-                raise ValueError("reward.name is for single-domain runs; with data.domains each domain names its reward")
+            if self.reward.name != RewardConfig.model_fields["name"].default:  # (a base preset's default is fine)
+                raise ValueError(f"reward.name {self.reward.name!r} is for single-domain runs; with data.domains "
+                                 "each domain names its reward")
             domain_counts([d.share for d in self.data.domains], self.rollout.prompts_per_step,
                           [d.name for d in self.data.domains])  # raises when the shares do not fit
             if self.algorithm.dynamic_sampling.enabled:

@@ -48,6 +48,7 @@ def reward_names() -> list[str]:
 
 # Imported for its @REWARDS.register side effect; after REWARDS exists, since it imports REWARDS.
 from engines.rewards import math as _math  # noqa: E402,F401
+from engines.rewards import code as _code  # noqa: E402,F401
 from engines.rewards import judge as _judge  # noqa: E402,F401
 from engines.rewards import format as _format  # noqa: E402,F401
 from engines.rewards import ifeval as _ifeval  # noqa: E402,F401
