@@ -67,7 +67,7 @@ def test_rerun_reattaches_to_the_same_engine_actors(ray_head, prefect_api, tmp_p
     listed = subprocess.run([sys.executable, "-m", "flows.cli", "engines", "list", "persistent"], env=env,
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     roles = sorted(line.split("/", 1)[1].split("#")[0] for line in listed.stdout.split())
-    assert roles == ["reward", "rollout", "trainer"], listed  # outlived their driver
+    assert roles == ["reward-0", "rollout", "trainer"], listed  # outlived their driver
 
     second = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
     assert second.returncode == 0, second.stderr[-3000:]
