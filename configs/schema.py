@@ -371,6 +371,9 @@ class TrainConfig(Section):
     """RL steps (one optimizer step each)."""
     micro_batch_size: int = Field(16, gt=0)
     """Rows per forward/backward; gradients accumulate over the step's batch."""
+    packing: bool = True
+    """Pack each micro-batch's sequences without padding (position ids restart per sequence) and run the LM
+    head only at response tokens; false = padded rows (the reference form, same values)."""
     optim: OptimConfig = OptimConfig()
     """Optimizer of the policy."""
 

@@ -136,4 +136,9 @@ def stop_named(name: str) -> None:
 
 
 def stop_engine(handle) -> None:
+    """Kill the actor, after letting it release what outlives a process (``close()``: shared memory)."""
+    try:
+        ray.get(handle.__ray_call__.remote(lambda engine: getattr(engine, "close", lambda: None)()), timeout=10)
+    except Exception:  # noqa: BLE001 - an actor that is dead or stuck is killed all the same
+        pass
     ray.kill(handle, no_restart=True)

@@ -1,19 +1,29 @@
-"""Weight transfer from a training engine to inference engines: buckets plus an exact checksum.
+"""Weight transfer from a training engine to inference engines, each transfer verified by checksum.
 
-Parameters are flattened into contiguous byte buckets of at most ``bucket_bytes`` (one tensor larger
-than that gets a bucket of its own). Buckets are numpy byte arrays so Ray's object store hands them to
-the receiving actor without a pickle copy.
+Two transports:
+
+* Shared memory (engines on one node): the trainer copies every parameter once into one of two
+  files under ``/dev/shm`` (slot ``version % 2``); a receiver of the same dtype makes its parameters
+  views into that mapping, so the sync costs one copy and no (de)serialisation. The receiver reads
+  slot ``v % 2`` until the next sync switches it to the other slot, the one the trainer writes next.
+* Buckets (any node): parameters flattened into contiguous byte buckets of at most ``bucket_bytes``
+  (one tensor larger than that gets a bucket of its own). Buckets are numpy byte arrays so Ray's
+  object store hands them to the receiving actor without a pickle copy.
+
+``weights_checksum`` is XXH3-128 over every parameter's name and bytes, read in place.
 """
 
 from __future__ import annotations
 
-import hashlib
+import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+import xxhash
 
 
 @dataclass(frozen=True)
@@ -91,9 +101,116 @@ def load_buckets(model: torch.nn.Module, buckets: Iterable[Bucket]) -> int:
 
 
 def weights_checksum(model: torch.nn.Module) -> str:
-    """BLAKE2b over every parameter's name and bytes in name order: equal iff the weights are bit-identical."""
-    digest = hashlib.blake2b(digest_size=16)
+    """XXH3-128 over every parameter's name, dtype, shape and bytes in name order (read in place, no copy):
+    equal for bit-identical weights; any changed bit, tensor swap or rename changes it."""
+    digest = xxhash.xxh3_128()
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        digest.update(name.encode())
-        digest.update(_tensor_bytes(param).numpy().tobytes())
+        digest.update(f"{name}:{param.dtype}:{tuple(param.shape)}".encode())
+        digest.update(memoryview(_tensor_bytes(param.detach().cpu()).numpy()))
     return digest.hexdigest()
+
+
+def node_id() -> str:
+    """Ray node of this process ("local" outside Ray): shared memory only reaches engines on the same node."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
+# -- shared memory --------------------------------------------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """Where version ``version`` of the weights lies: a file under ``/dev/shm`` on node ``node_id``."""
+
+    version: int
+    path: str
+    node_id: str
+    metas: tuple[TensorMeta, ...]
+    nbytes: int
+
+
+def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    """A uint8 tensor over the file at ``path`` mapped shared (created and sized when ``create``)."""
+    if create:
+        with open(path, "ab") as f:
+            f.truncate(nbytes)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class SharedWeightWriter:
+    """The trainer's side: two shared-memory slots, written alternately (``version % 2``).
+
+    Files are named ``rollflow-<tag>-<pid>-<slot>``; ``close`` (and a later writer of the same tag, for
+    files of dead processes) removes them."""
+
+    def __init__(self, tag: str) -> None:
+        self.prefix = f"rollflow-{tag}-"
+        self.pid = os.getpid()
+        self._slots: dict[int, torch.Tensor] = {}
+        self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+            if name.startswith(self.prefix):
+                pid = name.removeprefix(self.prefix).split("-")[0]
+                if pid.isdigit() and int(pid) != self.pid and not os.path.exists(f"/proc/{pid}"):
+                    os.unlink(os.path.join(SHM_DIR, name))
+
+    @staticmethod
+    def fits(nbytes: int) -> bool:
+        """Room for both slots (with a margin) in ``/dev/shm`` (small in a default Docker container)."""
+        return os.path.isdir(SHM_DIR) and shutil.disk_usage(SHM_DIR).free > 2 * nbytes + (64 << 20)
+
+    def write(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], node_id: str) -> SharedWeights:
+        tensors = list(named_tensors)
+        metas, offset = [], 0
+        for name, tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            metas.append(TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, nbytes))
+            offset += -(-nbytes // 64) * 64  # 64-byte aligned views
+        slot = version % 2
+        path = os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}")
+        if slot not in self._slots or self._slots[slot].numel() != offset:
+            self._slots[slot] = _map(path, offset, create=True)
+        buffer = self._slots[slot]
+        with torch.no_grad():
+            for meta, (_, tensor) in zip(metas, tensors):
+                buffer[meta.offset : meta.offset + meta.nbytes].copy_(_tensor_bytes(tensor))
+        return SharedWeights(version, path, node_id, tuple(metas), offset)
+
+    def close(self) -> None:
+        self._slots.clear()
+        for slot in (0, 1):
+            try:
+                os.unlink(os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}"))
+            except FileNotFoundError:
+                pass
+
+
+class SharedWeightReader:
+    """The receiver's side: maps the writer's slots once and points parameters into them."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def load(self, model: torch.nn.Module, shared: SharedWeights) -> int:
+        """Make ``model``'s parameters views of ``shared`` (copies where dtype or device differ)."""
+        buffer = self._maps.get(shared.path)
+        if buffer is None or buffer.numel() != shared.nbytes:
+            buffer = self._maps[shared.path] = _map(shared.path, shared.nbytes, create=False)
+        params = dict(model.named_parameters())
+        if {m.name for m in shared.metas} != set(params):
+            raise ValueError(f"shared weights do not match the model: missing={sorted(set(params) - {m.name for m in shared.metas})}")
+        with torch.no_grad():
+            for meta in shared.metas:
+                view = buffer[meta.offset : meta.offset + meta.nbytes].view(getattr(torch, meta.dtype)).view(meta.shape)
+                param = params[meta.name]
+                if param.dtype == view.dtype and param.device.type == "cpu":
+                    param.data = view
+                else:
+                    param.copy_(view)
+        return len(shared.metas)

@@ -86,11 +86,12 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngi
     optim = OptimSpec(**config.train.optim.model_dump(), total_steps=config.train.steps)
     rollout = start_engine(f"rollout/{config.rollout.engine}", role="rollout", **common)
     trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
-                           micro_batch_size=config.train.micro_batch_size, temperature=temperature, **trainable)
+                           micro_batch_size=config.train.micro_batch_size, temperature=temperature,
+                           packing=config.train.packing, **trainable)
     reference = critic = None
     if config.algorithm.kl.coef > 0:
         reference = start_engine("reference/torch", role="reference", micro_batch_size=config.train.micro_batch_size,
-                                 temperature=temperature, **common)
+                                 temperature=temperature, packing=config.train.packing, **common)
     if config.algorithm.advantage == "gae":
         critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=config.train.steps)
         critic = start_engine(f"train/{config.train.engine}", role="critic", optim=critic_optim, seed=config.run.seed,

@@ -14,10 +14,18 @@ class WeightSyncError(RuntimeError):
 def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: int) -> str:
     """Push the trainer's weights to every rollout engine and verify them by checksum.
 
-    Idempotent (the same weights and version again), so one retry is allowed."""
-    buckets_ref = train_engine.export_weights.remote(bucket_mb << 20)
+    Engines on the trainer's node read them from shared memory (one copy); the others, or all when
+    ``/dev/shm`` has no room, get byte buckets through Ray's object store. The trainer hashes its
+    weights while the engines load and hash theirs. Idempotent (the same weights and version again),
+    so one retry is allowed."""
+    shared_ref = train_engine.export_shared.remote(version)
     expected_ref = train_engine.weights_checksum.remote()
-    received = ray.get([engine.update_weights.remote(version, buckets_ref) for engine in rollout_engines])
+    received = ray.get([engine.update_weights_shared.remote(shared_ref) for engine in rollout_engines])
+    if None in received:
+        buckets_ref = train_engine.export_weights.remote(bucket_mb << 20)
+        for i, engine in enumerate(rollout_engines):
+            if received[i] is None:
+                received[i] = ray.get(engine.update_weights.remote(version, buckets_ref))
     expected = ray.get(expected_ref)
     bad = [i for i, checksum in enumerate(received) if checksum != expected]
     if bad:

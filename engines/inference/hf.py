@@ -8,6 +8,7 @@ recomputes, so train/rollout logprobs agree to float rounding.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from engines.models import load_model, load_tokenizer, set_torch_threads
 from engines.training.logprobs import position_ids_from_mask
 from engines.types import Rollouts, SamplingParams
-from engines.weight_sync import Bucket, load_buckets, weights_checksum
+from engines.weight_sync import Bucket, SharedWeightReader, SharedWeights, load_buckets, node_id, weights_checksum
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -41,12 +42,27 @@ class HFInferenceEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
         self._version = 0
+        self._shared: SharedWeightReader | None = None
 
     # -- weights -------------------------------------------------------------------------------------
     def update_weights(self, version: int, buckets: list[Bucket]) -> str:
         """Load a full set of weights published by the trainer; returns the new checksum."""
+        if self._shared is not None:  # parameters are views of the trainer's shared slots: own them again
+            for param in self.model.parameters():
+                param.data = param.data.clone()
+            self._shared = None
         load_buckets(self.model, buckets)
         self._version = version
+        return weights_checksum(self.model)
+
+    def update_weights_shared(self, shared: SharedWeights | None) -> str | None:
+        """Point the parameters into the trainer's shared-memory slot; returns the new checksum, or None
+        when that slot is not reachable from here (another node, no slot), so the caller sends buckets."""
+        if shared is None or shared.node_id != node_id() or not os.path.exists(shared.path):
+            return None
+        self._shared = self._shared or SharedWeightReader()
+        self._shared.load(self.model, shared)
+        self._version = shared.version
         return weights_checksum(self.model)
 
     def weights_version(self) -> int:
@@ -67,15 +83,17 @@ class HFInferenceEngine:
 
     @torch.inference_mode()
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> Rollouts:
+        """Sample a completion of every prompt; rows stop at a stop token or ``max_new_tokens``.
+
+        Identical prompts (a GRPO group) are prefilled once and their KV cache is repeated; rows that
+        stop leave the batch (and the cache), so each decoding step computes only unfinished rows."""
         start = time.perf_counter()
         prompt_ids = self.encode(prompts) if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts]
         pad = self.tokenizer.pad_token_id
-        rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
-        input_ids = torch.full((rows, width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((rows, width), dtype=torch.long)
-        for i, p in enumerate(prompt_ids):
-            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, width - len(p) :] = 1
+        rows = len(prompt_ids)
+        unique: dict[tuple[int, ...], int] = {}
+        row_to_unique = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompt_ids])
+        input_ids, attention_mask = left_pad(list(unique), pad)
         positions = position_ids_from_mask(attention_mask)
         stop_ids = torch.tensor(sampling.stop_token_ids or (self.tokenizer.eos_token_id,), dtype=torch.long)
         generator = torch.Generator().manual_seed(sampling.seed)
@@ -83,12 +101,17 @@ class HFInferenceEngine:
 
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        next_pos = positions[:, -1] + 1  # [B]
-        finished = torch.zeros(rows, dtype=torch.bool)
+        logits = out.logits[row_to_unique, -1]  # [B, V]: each row from its prompt's prefill
+        if len(unique) < rows:
+            cache.batch_select_indices(row_to_unique)
+        attention_mask, next_pos = attention_mask[row_to_unique], positions[row_to_unique, -1] + 1
+
+        response_ids = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long)
+        logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(rows, dtype=torch.long)
-        tokens, logprobs = [], []
-        for _ in range(sampling.max_new_tokens):
-            logits = out.logits[:, -1].float()  # [B, V]
+        active = torch.arange(rows)  # original row of each row still decoding
+        for t in range(sampling.max_new_tokens):
+            logits = logits.float()
             if not greedy:
                 logits = logits / sampling.temperature
             log_probs = torch.log_softmax(logits, dim=-1)
@@ -97,15 +120,19 @@ class HFInferenceEngine:
             else:
                 probs = filter_logits(logits, sampling.top_k, sampling.top_p).softmax(-1)
                 token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-            logprob = log_probs.gather(-1, token[:, None]).squeeze(-1)
-            token = token.masked_fill(finished, pad)
-            tokens.append(token)
-            logprobs.append(logprob.masked_fill(finished, 0.0))
-            lengths += (~finished).long()
-            finished |= torch.isin(token, stop_ids)
-            if bool(finished.all()):
+            response_ids[active, t] = token
+            logprobs[active, t] = log_probs.gather(-1, token[:, None]).squeeze(-1)
+            lengths[active] += 1
+            done = torch.isin(token, stop_ids)
+            if t + 1 == sampling.max_new_tokens:
                 break
-            attention_mask = torch.cat([attention_mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                active, token, attention_mask, next_pos = active[keep], token[keep], attention_mask[keep], next_pos[keep]
+                cache.batch_select_indices(keep)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
             out = self.model(
                 input_ids=token[:, None],
                 attention_mask=attention_mask,
@@ -114,25 +141,36 @@ class HFInferenceEngine:
                 **{self._cache_kw: cache},
             )
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            logits = out.logits[:, -1]
             next_pos = next_pos + 1
 
-        response_ids = torch.stack(tokens, dim=1)  # [B, T]
-        stopped = torch.isin(response_ids, stop_ids) & (torch.arange(response_ids.shape[1]) < lengths[:, None])
-        finish_reasons = ["stop" if bool(s.any()) else "length" for s in stopped]
+        width = int(lengths.max()) if rows else 0
+        response_ids, logprobs = response_ids[:, :width], logprobs[:, :width]
+        stopped = torch.isin(response_ids[torch.arange(rows), (lengths - 1).clamp(min=0)], stop_ids) & (lengths > 0)
+        stop_set = set(stop_ids.tolist())
         completions = [
-            self.tokenizer.decode(
-                [t for t in response_ids[i, : lengths[i]].tolist() if t not in set(stop_ids.tolist())],
-                skip_special_tokens=True,
-            )
+            self.tokenizer.decode([t for t in response_ids[i, : lengths[i]].tolist() if t not in stop_set],
+                                  skip_special_tokens=True)
             for i in range(rows)
         ]
         return Rollouts(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
-            logprobs=torch.stack(logprobs, dim=1),
+            logprobs=logprobs,
             response_lengths=lengths,
-            finish_reasons=finish_reasons,
+            finish_reasons=["stop" if bool(s) else "length" for s in stopped],
             completions=completions,
             weights_version=self._version,
             compute_seconds=time.perf_counter() - start,
         )
+
+
+def left_pad(sequences: list[list[int]] | list[tuple[int, ...]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, both ``[N, max_len]``, each sequence right-aligned."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, sequence in enumerate(sequences):
+        input_ids[i, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask[i, width - len(sequence):] = 1
+    return input_ids, attention_mask

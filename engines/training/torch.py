@@ -21,9 +21,9 @@ import torch
 
 from engines.checkpoint_store import write_bytes
 from engines.models import load_model, load_tokenizer, load_value_model, set_torch_threads
-from engines.training.logprobs import batched_logprobs, batched_values, token_logprobs, token_values
+from engines.training.logprobs import batched_logprobs, batched_values, packed_token_logprobs, token_logprobs, token_values
 from engines.types import Rollouts, TrainBatch, build_train_batch
-from engines.weight_sync import Bucket, pack_buckets, weights_checksum
+from engines.weight_sync import Bucket, SharedWeights, SharedWeightWriter, node_id, pack_buckets, weights_checksum
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,13 @@ class TorchTrainEngine:
     """Trainable policy (``head="policy"``) or critic (``head="value"``) with its optimizer. Lives in a Ray actor.
 
     The loss function receives ``logprobs`` and ``entropy`` (policy) or ``values`` (critic), each
-    ``[b, l]`` for one micro-batch, plus the micro-batch itself."""
+    ``[b, l]`` for one micro-batch, plus the micro-batch itself. With ``packing`` the policy's forward
+    runs on the micro-batch's sequences packed without padding, and logprobs/entropy are computed at
+    response tokens only (0 elsewhere; every objective masks with ``response_mask``)."""
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
                  torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
-                 head: str = "policy") -> None:
+                 head: str = "policy", packing: bool = True) -> None:
         if head not in ("policy", "value"):
             raise ValueError(f"head must be 'policy' or 'value', got {head!r}")
         set_torch_threads(torch_threads)
@@ -82,6 +84,7 @@ class TorchTrainEngine:
         self.optim_spec = optim
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
+        self.packing = packing
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
@@ -91,7 +94,7 @@ class TorchTrainEngine:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token logprobs of ``batch.input_ids`` under the current weights, [B, L]."""
         self.model.eval()
-        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature)
+        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing)
 
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``: PPO's old logprobs."""
@@ -106,9 +109,13 @@ class TorchTrainEngine:
     def _forward(self, micro: TrainBatch) -> dict[str, torch.Tensor]:
         if self.head == "value":
             return {"values": token_values(self.model, micro.input_ids, micro.attention_mask)}
-        logprobs, entropy = token_logprobs(
-            self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
-        )
+        if self.packing:
+            logprobs, entropy = packed_token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                                      micro.response_mask, temperature=self.temperature, with_entropy=True)
+        else:
+            logprobs, entropy = token_logprobs(
+                self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
+            )
         return {"logprobs": logprobs, "entropy": entropy}
 
     def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
@@ -138,6 +145,21 @@ class TorchTrainEngine:
     # -- weights -------------------------------------------------------------------------------------
     def export_weights(self, bucket_bytes: int = 64 << 20) -> list[Bucket]:
         return pack_buckets(self.model.named_parameters(), bucket_bytes)
+
+    def export_shared(self, version: int) -> SharedWeights | None:
+        """Copy the weights into shared-memory slot ``version % 2``; None when ``/dev/shm`` has no room."""
+        named = list(self.model.named_parameters())
+        if getattr(self, "_shared_writer", None) is None:
+            if not SharedWeightWriter.fits(sum(p.numel() * p.element_size() for _, p in named)):
+                return None
+            self._shared_writer = SharedWeightWriter("weights")
+        return self._shared_writer.write(version, named, node_id())
+
+    def close(self) -> None:
+        """Remove the shared-memory weight slots (called before the actor is killed)."""
+        if getattr(self, "_shared_writer", None) is not None:
+            self._shared_writer.close()
+            self._shared_writer = None
 
     def weights_checksum(self) -> str:
         return weights_checksum(self.model)
@@ -199,15 +221,16 @@ class ReferenceEngine:
     """Frozen copy of the initial policy; scores sequences for the KL term."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0,
-                 micro_batch_size: int = 8, temperature: float = 1.0) -> None:
+                 micro_batch_size: int = 8, temperature: float = 1.0, packing: bool = True) -> None:
         set_torch_threads(torch_threads)
         self.model = load_model(model_path, dtype=dtype, trainable=False).eval()
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
+        self.packing = packing
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature)
+        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing)
 
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``."""

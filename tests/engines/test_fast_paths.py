@@ -1,0 +1,158 @@
+"""The performance paths against their reference forms: compacting generation vs plain padded
+``model.generate``, packed vs padded logprobs and training steps, shared-memory vs bucket weight sync."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engines.algorithms.objective import SFTObjective
+from engines.data.sft import sft_batch
+from engines.inference.hf import HFInferenceEngine
+from engines.training.logprobs import pack_sequences, packed_token_logprobs, token_logprobs
+from engines.training.torch import OptimSpec, TorchTrainEngine
+from engines.types import SamplingParams
+from engines.weight_sync import SHM_DIR, SharedWeightReader, SharedWeightWriter, weights_checksum
+
+PROMPTS = ["12+3=", "1+1=", "29+30=", "7+8=", "3="]
+
+
+def test_greedy_generation_equals_padded_model_generate(tiny_model_dir):
+    """Rows leave the batch as they stop and groups share one prefill; the tokens must be exactly those of
+    HF's padded greedy ``generate`` row by row (which keeps computing finished rows)."""
+    engine = HFInferenceEngine(tiny_model_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an untrained model repeats one token; noise makes rows differ
+        for param in engine.model.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    prompts = [p for p in PROMPTS for _ in range(3)]  # groups of identical prompts, different prompt lengths
+    tok = engine.tokenizer
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
+    # stop at a token that some rows produce and others do not, at different steps
+    counts = torch.bincount(free.response_ids[:, 1:].flatten(), minlength=len(tok))
+    stop = int(counts.argmax())
+    stops = (tok.eos_token_id, stop)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=stops))
+    assert len(set(out.response_lengths.tolist())) > 1  # rows stopped at different steps: compaction ran
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+        ref = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=list(stops), pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        ends = [k for k, t in enumerate(ref) if t in stops]
+        if ends:
+            ref = ref[: ends[0] + 1]
+        n = int(out.response_lengths[i])
+        assert out.response_ids[i, :n].tolist() == ref, prompt
+        assert out.finish_reasons[i] == ("stop" if ref[-1] in stops else "length")
+
+
+def test_sampled_generation_is_seeded_and_padded_past_length(tiny_model_dir):
+    engine = HFInferenceEngine(tiny_model_dir)
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, seed=5)
+    out = engine.generate(PROMPTS * 4, sampling)
+    again = engine.generate(PROMPTS * 4, sampling)
+    assert torch.equal(out.response_ids, again.response_ids) and torch.equal(out.logprobs, again.logprobs)
+    assert out.response_ids.shape[1] == int(out.response_lengths.max())
+    for i in range(len(out.completions)):
+        n = int(out.response_lengths[i])
+        assert (out.response_ids[i, n:] == engine.tokenizer.pad_token_id).all() and (out.logprobs[i, n:] == 0).all()
+
+
+def _batch(seed=0, rows=9, width=14, vocab=30):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, width + 1, (rows,), generator=gen)
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    ids = torch.randint(2, vocab, (rows, width), generator=gen) * mask
+    response = ((torch.arange(width) >= 2) & mask.bool()).float()
+    return ids, mask, response
+
+
+def test_pack_sequences_places_every_token_once_without_overlap():
+    ids, mask, response = _batch()
+    packed = pack_sequences(ids, mask, response)
+    rows, width = packed.input_ids.shape
+    assert width == int(mask.sum(-1).max()) and rows < ids.shape[0]  # fewer rows than the padded batch
+    assert (packed.input_ids != 0).sum() == (ids != 0).sum()  # every real token once
+    # each needed token's logit position holds the token before it, in the packed row
+    r, c = packed.logit_index
+    br, bc = packed.target_index
+    assert torch.equal(packed.input_ids[r, c], ids[br, bc - 1]) and torch.equal(packed.input_ids[r, c + 1], ids[br, bc])
+    assert torch.equal(packed.position_ids[r, c + 1], bc)  # positions restart per sequence
+
+
+def test_packed_logprobs_and_entropy_match_padded(tiny_model_dir):
+    from engines.models import load_model
+
+    model = load_model(tiny_model_dir)
+    ids, mask, response = _batch(vocab=len(HFInferenceEngine(tiny_model_dir).tokenizer))
+    ref_lp, ref_h = token_logprobs(model, ids, mask, temperature=0.7, with_entropy=True)
+    lp, h = packed_token_logprobs(model, ids, mask, response, temperature=0.7, with_entropy=True)
+    assert ((ref_lp - lp) * response).abs().max() < 1e-5 and ((ref_h - h) * response).abs().max() < 1e-5
+    assert (lp * (1 - response)).abs().max() == 0  # only response tokens are computed
+
+
+def test_packed_train_step_matches_padded(tiny_model_dir):
+    """Same loss, gradient norm and updated weights with and without packing (float rounding apart)."""
+    engines = [TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-2), micro_batch_size=3, packing=p) for p in (False, True)]
+    batch = sft_batch(tiny_model_dir, ["12+3=", "1+1=", "29+30=", "7+8=", "5+5="], ["15", "2", "59", "15", "10"])
+    metrics = [e.train_step(batch, SFTObjective()) for e in engines]
+    assert abs(metrics[0]["sft/nll"] - metrics[1]["sft/nll"]) < 1e-5
+    assert abs(metrics[0]["train/grad_norm"] - metrics[1]["train/grad_norm"]) < 1e-4
+    for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
+        assert (a - b).abs().max() < 1e-5, name
+
+
+def test_shared_memory_sync_alternates_slots_and_cleans_up(tiny_model_dir):
+    trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-2), micro_batch_size=4)
+    rollout = HFInferenceEngine(tiny_model_dir)
+    with torch.no_grad():
+        next(trainer.model.parameters()).add_(1.0)
+    checksum_v1 = rollout.update_weights_shared(trainer.export_shared(1))
+    assert checksum_v1 == trainer.weights_checksum()
+    with torch.no_grad():
+        next(trainer.model.parameters()).add_(1.0)
+    shared_v2 = trainer.export_shared(2)  # written to the other slot: the rollout engine still serves v1
+    assert rollout.weights_checksum() == checksum_v1 and rollout.weights_version() == 1
+    assert rollout.update_weights_shared(shared_v2) == trainer.weights_checksum() != checksum_v1
+    assert rollout.update_weights_shared(None) is None  # nothing shared: the caller sends buckets
+    # the bucket path gives the parameters their own memory back before copying into them
+    with torch.no_grad():
+        next(trainer.model.parameters()).add_(1.0)
+    assert rollout.update_weights(3, trainer.export_weights()) == trainer.weights_checksum()
+    bucket_checksum = rollout.weights_checksum()
+    with torch.no_grad():
+        next(trainer.model.parameters()).add_(1.0)
+    trainer.export_shared(4)  # slot 0 again, which the engine pointed at before: its own copy must not change
+    assert rollout.weights_checksum() == bucket_checksum and rollout.weights_version() == 3
+    prefix = trainer._shared_writer.prefix
+    trainer.close()
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"{prefix}{os.getpid()}-")]
+
+
+def test_shared_reader_copies_across_dtypes_and_writer_removes_dead_files(tiny_model_dir):
+    from engines.models import load_model
+
+    source, target = load_model(tiny_model_dir), load_model(tiny_model_dir, dtype="bfloat16")
+    stale = os.path.join(SHM_DIR, "rollflow-test-999999999-0")
+    open(stale, "wb").close()
+    writer = SharedWeightWriter("test")  # pid 999999999 is not alive: its file goes
+    assert not os.path.exists(stale)
+    try:
+        SharedWeightReader().load(target, writer.write(0, source.named_parameters(), "local"))
+        expected = load_model(tiny_model_dir, dtype="bfloat16")
+        assert weights_checksum(target) == weights_checksum(expected)  # converted copy, not views
+    finally:
+        writer.close()
+
+
+def test_checksum_sees_a_single_flipped_bit(tiny_model_dir):
+    from engines.models import load_model
+
+    model = load_model(tiny_model_dir)
+    before = weights_checksum(model)
+    param = next(model.parameters())
+    with torch.no_grad():
+        param.view(-1).view(torch.int32)[7] ^= 1
+    assert weights_checksum(model) != before
