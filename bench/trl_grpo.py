@@ -41,7 +41,7 @@ def heldout_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) ->
         out = engine.generate([r["prompt"] for r in rows], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                                                        stop_token_ids=(tokenizer.eos_token_id,)))
     model.train(was_training)
-    rewards = math_reward(None, out.completions, [r["answer"] for r in rows])
+    rewards = math_reward([r["prompt"] for r in rows], out.completions, [r["answer"] for r in rows])
     return sum(r >= 1.0 for r in rewards) / len(rows)
 
 

@@ -1,0 +1,317 @@
+"""The six performance benchmarks of RollFlow, each against a baseline measured in the same run.
+
+    python bench/perf.py NAME          # one of BENCHMARKS; prints its figures, last line RESULT {json}
+    python bench/run_all.py            # all six, one process each, then one line per benchmark
+
+1. ``grpo_iter_vs_trl``: median seconds per GRPO iteration, RollFlow's flow (Prefect + Ray + MLflow) vs
+   TRL ``GRPOTrainer``, same model/weights/tokenizer/prompts/group/max tokens/lr; bench and tiny sizes.
+2. ``time_to_accuracy_vs_trl``: quickstart task from one SFT checkpoint; training seconds (held-out
+   evaluation and start-up excluded on both sides) until held-out greedy accuracy first reaches TARGET.
+3. ``orchestration_overhead``: share of a flow iteration outside the engines' generate / score /
+   train_step compute, at the quickstart size and, from benchmark 1's runs, at the tiny and bench sizes.
+4. ``rollout_throughput``: generated tokens/s, RollFlow's HF engine vs padded ``model.generate``, one
+   batch with long-tail lengths (a random model stops with probability ~1/vocab per token).
+5. ``train_packing``: train_step tokens/s with packing vs padded micro-batches on the same long-tail
+   batch; the losses must agree.
+6. ``weight_sync``: trainer actor → rollout actor sync (checksum-verified) vs an in-process copy of the
+   same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import (MAX_NEW_TOKENS, REPO, arithmetic_rows, build_model, emit, median, read_result,  # noqa: E402
+                          scratch_dir)
+
+TARGET_ACCURACY = 0.45
+FLOW_ENV = {"PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "true", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _python(args: list[str], timeout: int = 1800) -> dict:
+    env = {**os.environ, **FLOW_ENV, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise RuntimeError(f"{args[:2]} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return read_result(done.stdout)
+
+
+def _trl(model: str, steps: int, max_new_tokens: int, **options) -> dict:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    return _python(["bench/trl_grpo.py", model, f"--steps={steps}", f"--max-new-tokens={max_new_tokens}", *flags])
+
+
+def _flow(config: str, overrides: list[str]) -> dict:
+    result = _python(["bench/perf.py", "_flow", config, *overrides])
+    result["history"] = {key: {int(step): v for step, v in values.items()} for key, values in result["history"].items()}
+    return result
+
+
+def run_flow_metrics(config_path: str, overrides: list[str]) -> dict:
+    """Run the real flow (local Ray, embedded Prefect, MLflow sqlite) and return its per-step timings."""
+    from mlflow.tracking import MlflowClient
+
+    from configs.loader import load_config
+    from flows.cli import _ENV_DEFAULTS
+
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    run_dir = scratch_dir("flow")
+    config = load_config(config_path, [f"run.dir={run_dir}", "run.name=bench", "checkpoint.every=1000",
+                                       "tracking.sample_every=0", *overrides])
+    from flows.pipeline import run_flow
+
+    started = time.perf_counter()
+    result = run_flow(config)
+    wall = time.perf_counter() - started
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    keys = ("time/step", "time/evaluate", "perf/generate_compute_s", "perf/score_compute_s", "perf/train_compute_s",
+            "eval/heldout_accuracy")
+    history = {k: {m.step: m.value for m in client.get_metric_history(result["mlflow_run_id"], k)} for k in keys}
+    return {"history": history, "wall_s": wall}
+
+
+def _overhead(history: dict, skip_first: bool = True) -> dict:
+    """Median step seconds and the orchestration share over steps without evaluation (step 1 warms up)."""
+    step = history["time/step"]
+    steps = [s for s in sorted(step) if s not in history["time/evaluate"] and (s > 1 or not skip_first)]
+    compute = sum(history[f"perf/{k}_compute_s"][s] for s in steps for k in ("generate", "score", "train"))
+    total = sum(step[s] for s in steps)
+    return {"step_s": median(step[s] for s in steps), "overhead_share": 1 - compute / total, "steps": len(steps)}
+
+
+# -- 1 ----------------------------------------------------------------------------------------------------
+def grpo_iter_vs_trl() -> dict:
+    rows, _ = arithmetic_rows()
+    out = {}
+    for size, steps in (("tiny", 12), ("bench", 6)):
+        model = build_model(size, Path(scratch_dir(f"model-{size}")) / "model", rows)
+        tokens = MAX_NEW_TOKENS[size]
+        trl = _trl(model, steps, tokens, lr=1e-4)
+        flow = _flow("configs/tiny.yaml", ["model.source=hf", f"model.path={model}", f"rollout.max_new_tokens={tokens}",
+                                           "train.micro_batch_size=64", f"train.steps={steps}", "eval.every=0",
+                                           "train.optim.lr=1e-4"])
+        trl_s = median(trl["step_times"][1:])
+        ours = _overhead(flow["history"])
+        out[size] = {"trl_step_s": trl_s, "rollflow_step_s": ours["step_s"], "ratio": ours["step_s"] / trl_s,
+                     "rollflow_overhead_share": ours["overhead_share"]}
+        print(f"{size:>6}: TRL {trl_s:.3f} s/iter  RollFlow {ours['step_s']:.3f} s/iter  ratio {out[size]['ratio']:.3f}"
+              f"  (RollFlow orchestration share {ours['overhead_share']:.3f})", flush=True)
+    return {"value": out["bench"]["ratio"], "sizes": out}
+
+
+# -- 2 and 3 --------------------------------------------------------------------------------------------------
+def _sft_checkpoint(out_dir: str) -> str:
+    """configs/quickstart.yaml's warm start (600 SFT steps of 32), in process: the shared starting point."""
+    from engines.algorithms.objective import SFTObjective
+    from engines.data.sampler import take
+    from engines.data.sft import sft_batch
+    from engines.training.torch import OptimSpec, TorchTrainEngine
+
+    rows, _ = arithmetic_rows(num_train=4000, num_heldout=200, max_operand=99)
+    base = build_model("tiny", Path(out_dir) / "base", rows)
+    engine = TorchTrainEngine(base, OptimSpec(lr=1e-3, warmup_steps=10, total_steps=600), micro_batch_size=32)
+    position = 0
+    for _ in range(600):
+        indices, position = take(len(rows), position, 32, seed=1)
+        batch = sft_batch(base, [rows[i]["prompt"] for i in indices], [rows[i]["answer"] for i in indices])
+        engine.train_step(batch, SFTObjective())
+    folder = str(Path(out_dir) / "sft")
+    engine.save_pretrained(folder)
+    return folder
+
+
+def time_to_accuracy_vs_trl() -> dict:
+    sft = _sft_checkpoint(scratch_dir("sft"))
+    steps, every = 120, 10
+    trl = _trl(sft, steps, 6, lr=2e-4, prompts_per_step=16, data="quickstart", eval_every=every, target=TARGET_ACCURACY)
+    flow = _flow("configs/quickstart.yaml", ["model.source=hf", f"model.path={sft}", "sft=null", f"train.steps={steps}",
+                                             f"eval.every={every}"])
+    hist = flow["history"]
+    trained, reached = 0.0, None  # RollFlow seconds of training (steps minus their evaluation) until the target
+    for step in sorted(hist["time/step"]):
+        trained += hist["time/step"][step] - hist["time/evaluate"].get(step, 0.0)
+        if hist["eval/heldout_accuracy"].get(step, 0.0) >= TARGET_ACCURACY:
+            reached = {"step": step, "train_s": trained}
+            break
+    trl_reached = next(({"step": e["step"], "train_s": e["train_s"]} for e in trl["evals"]
+                        if e["accuracy"] >= TARGET_ACCURACY), None)
+    print(f"held-out accuracy at step 0: TRL {trl['evals'][0]['accuracy']:.3f}  RollFlow {hist['eval/heldout_accuracy'][0]:.3f}")
+    print("TRL      ", [(e["step"], round(e["accuracy"], 3)) for e in trl["evals"]])
+    print("RollFlow ", sorted((s, round(a, 3)) for s, a in hist["eval/heldout_accuracy"].items()))
+    print(f"target {TARGET_ACCURACY}: TRL {trl_reached}  RollFlow {reached}")
+    ratio = reached["train_s"] / trl_reached["train_s"] if reached and trl_reached else float("inf")
+    overhead = _overhead(hist)
+    print(f"quickstart size: RollFlow {overhead['step_s']:.3f} s/iter, orchestration share {overhead['overhead_share']:.3f}")
+    return {"value": ratio, "trl": trl_reached, "rollflow": reached, "quickstart_overhead": overhead,
+            "trl_step_s": median(trl["step_times"][1:])}
+
+
+def orchestration_overhead() -> dict:
+    rows, _ = arithmetic_rows(num_train=4000, num_heldout=200, max_operand=99)
+    model = build_model("tiny", Path(scratch_dir("model-q")) / "model", rows)
+    flow = _flow("configs/quickstart.yaml", ["model.source=hf", f"model.path={model}", "sft=null", "train.steps=12",
+                                             "eval.every=0"])
+    result = _overhead(flow["history"])
+    print(f"quickstart size: {result['step_s']:.3f} s/iter, orchestration share {result['overhead_share']:.3f} "
+          f"over {result['steps']} steps (tiny and bench sizes: see grpo_iter_vs_trl)")
+    return {"value": result["overhead_share"], **result}
+
+
+# -- 4 ----------------------------------------------------------------------------------------------------------
+def _long_tail_batch(rows: list[dict]) -> list[str]:
+    """8 prompts x 8: a GRPO batch."""
+    return [r["prompt"] for r in rows[:8] for _ in range(8)]
+
+
+def rollout_throughput() -> dict:
+    import torch
+
+    from engines.inference.hf import HFInferenceEngine
+    from engines.types import SamplingParams
+
+    torch.set_num_threads(2)
+    rows, _ = arithmetic_rows()
+    model = build_model("bench", Path(scratch_dir("model-r")) / "model", rows)
+    engine = HFInferenceEngine(model, torch_threads=2)
+    tok = engine.tokenizer
+    prompts, max_new = _long_tail_batch(rows), 128
+    ours, plain = [], []
+    for seed in range(3):
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed))
+        ours.append((int(out.response_lengths.sum()), out.compute_seconds))
+        encoded = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            ids = engine.model.generate(**encoded, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=max_new,
+                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        elapsed = time.perf_counter() - start
+        new = ids[:, encoded["input_ids"].shape[1]:]
+        is_eos = (new == tok.eos_token_id).int()
+        lengths = torch.where(is_eos.any(-1), is_eos.argmax(-1) + 1, torch.full_like(is_eos[:, 0], new.shape[1]))
+        plain.append((int(lengths.sum()), elapsed))
+        print(f"seed {seed}: RollFlow {ours[-1][0]} tokens in {ours[-1][1]:.2f} s (lengths max {int(out.response_lengths.max())}, "
+              f"median {int(out.response_lengths.median())})  model.generate {plain[-1][0]} tokens in {elapsed:.2f} s")
+    rate = lambda runs: sum(n for n, _ in runs) / sum(s for _, s in runs)  # noqa: E731
+    return {"value": rate(ours) / rate(plain), "rollflow_tokens_per_s": rate(ours), "generate_tokens_per_s": rate(plain)}
+
+
+# -- 5 ----------------------------------------------------------------------------------------------------------
+def train_packing() -> dict:
+    import torch
+
+    from engines.algorithms.objective import PolicyObjective
+    from engines.inference.hf import HFInferenceEngine
+    from engines.rollout_ops import AdvantageSpec, advantage_batch
+    from engines.training.torch import OptimSpec, TorchTrainEngine
+    from engines.types import SamplingParams
+
+    torch.set_num_threads(2)
+    rows, _ = arithmetic_rows()
+    model = build_model("bench", Path(scratch_dir("model-t")) / "model", rows)
+    rollout = HFInferenceEngine(model, torch_threads=2)
+    out = rollout.generate(_long_tail_batch(rows), SamplingParams(max_new_tokens=128, temperature=1.0, seed=0))
+    rewards = torch.rand(len(out.completions), generator=torch.Generator().manual_seed(0))
+    group_ids = torch.arange(8).repeat_interleave(8)
+    batch, _, _ = advantage_batch(out, rewards, group_ids, AdvantageSpec("grpo", rollout.tokenizer.pad_token_id))
+    lengths = batch.attention_mask.sum(-1)
+    print(f"batch: {len(batch)} rows, lengths max {int(lengths.max())} median {int(lengths.median())}, "
+          f"{int(lengths.sum())} real tokens of {batch.attention_mask.numel()} padded")
+    results = {}
+    for packing in (False, True):
+        engine = TorchTrainEngine(model, OptimSpec(lr=1e-5), micro_batch_size=16, packing=packing, torch_threads=2)
+        seconds, losses = [], []
+        for _ in range(3):
+            metrics = engine.train_step(batch, PolicyObjective())
+            seconds.append(metrics["perf/train_compute_s"])
+            losses.append(metrics["train/loss"])
+        results[packing] = {"tokens_per_s": float(lengths.sum()) / median(seconds), "loss": losses[0]}
+        print(f"packing={packing}: {results[packing]['tokens_per_s']:.0f} tokens/s, first-step loss {losses[0]:.6f}")
+    loss_diff = abs(results[True]["loss"] - results[False]["loss"])
+    if loss_diff > 1e-4:
+        raise AssertionError(f"packed and padded losses differ by {loss_diff}")
+    return {"value": results[True]["tokens_per_s"] / results[False]["tokens_per_s"], "loss_abs_diff": loss_diff,
+            "packed_tokens_per_s": results[True]["tokens_per_s"], "padded_tokens_per_s": results[False]["tokens_per_s"]}
+
+
+# -- 6 ----------------------------------------------------------------------------------------------------------
+def weight_sync() -> dict:
+    import ray
+    import torch
+
+    from engines.actors import start_engine, stop_engine
+    from engines.models import load_model
+    from engines.training.torch import OptimSpec
+    from flows.setup import ensure_ray
+    from tasks.sync import sync_weights
+
+    rows, _ = arithmetic_rows()
+    model = build_model("bench", Path(scratch_dir("model-w")) / "model", rows)
+    torch.set_num_threads(2)
+    source, target = load_model(model), load_model(model)
+    pairs = [(dst, src) for (_, dst), (_, src) in zip(target.named_parameters(), source.named_parameters())]
+    nbytes = sum(p.numel() * p.element_size() for _, p in pairs)
+    raw = []
+    for _ in range(7):
+        start = time.perf_counter()
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        raw.append(time.perf_counter() - start)
+    ensure_ray()
+    common = dict(run_name="bench-sync", model_path=model, torch_threads=2)
+    trainer = start_engine("train/torch", role="trainer", optim=OptimSpec(), reuse=False, **common)
+    rollout = start_engine("rollout/hf", role="rollout", **common)
+    synced, bucketed = [], []
+    for version in range(1, 8):
+        start = time.perf_counter()
+        checksum = sync_weights.fn(trainer, [rollout], version, 64)
+        synced.append(time.perf_counter() - start)
+        assert checksum == ray.get(rollout.weights_checksum.remote())
+    for version in range(8, 11):  # the object-store path, for reference
+        start = time.perf_counter()
+        ray.get(rollout.update_weights.remote(version, trainer.export_weights.remote(64 << 20)))
+        bucketed.append(time.perf_counter() - start)
+    stop_engine(trainer)
+    stop_engine(rollout)
+    ray.shutdown()
+    result = {"value": median(synced[1:]) / median(raw[1:]), "sync_s": median(synced[1:]), "raw_copy_s": median(raw[1:]),
+              "bucket_path_s": median(bucketed), "mbytes": nbytes / 2**20}
+    print(f"{result['mbytes']:.0f} MiB: sync (shared memory, both checksums) {result['sync_s'] * 1e3:.1f} ms, "
+          f"in-process copy {result['raw_copy_s'] * 1e3:.1f} ms, object-store buckets without checksum "
+          f"{result['bucket_path_s'] * 1e3:.1f} ms")
+    return result
+
+
+BENCHMARKS = {
+    "grpo_iter_vs_trl": (grpo_iter_vs_trl, "<=", 0.5),
+    "time_to_accuracy_vs_trl": (time_to_accuracy_vs_trl, "<=", 0.5),
+    "orchestration_overhead": (orchestration_overhead, "<=", 0.03),
+    "rollout_throughput": (rollout_throughput, ">=", 2.0),
+    "train_packing": (train_packing, ">=", 1.5),
+    "weight_sync": (weight_sync, "<=", 2.0),
+}
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "_flow":  # a flow run in its own process, for the benchmarks above
+        emit(run_flow_metrics(argv[1], argv[2:]))
+        return
+    from bench.common import result_line
+
+    fn, op, target = BENCHMARKS[argv[0]]
+    result = fn()
+    print(result_line(argv[0], result["value"], op, target))
+    emit(result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
