@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -101,13 +102,28 @@ def load_buckets(model: torch.nn.Module, buckets: Iterable[Bucket]) -> int:
 
 
 def weights_checksum(model: torch.nn.Module) -> str:
-    """XXH3-128 over every parameter's name, dtype, shape and bytes in name order (read in place, no copy):
-    equal for bit-identical weights; any changed bit, tensor swap or rename changes it."""
+    """XXH3-128 over every parameter's name, dtype, shape and the XXH3-128 of its bytes, in name order.
+
+    Equal for bit-identical weights; any changed bit, tensor swap or rename changes it. Tensors are read
+    in place (no copy) and hashed on ``torch.get_num_threads()`` threads (xxhash releases the GIL)."""
+    named = sorted(model.named_parameters(), key=lambda item: item[0])
+    views = [memoryview(_tensor_bytes(param.detach().cpu()).numpy()) for _, param in named]
+    digests = _hash_pool().map(lambda view: xxhash.xxh3_128(view).digest(), views)
     digest = xxhash.xxh3_128()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        digest.update(f"{name}:{param.dtype}:{tuple(param.shape)}".encode())
-        digest.update(memoryview(_tensor_bytes(param.detach().cpu()).numpy()))
+    for (name, param), tensor_digest in zip(named, digests):
+        digest.update(f"{name}:{param.dtype}:{tuple(param.shape)}:".encode() + tensor_digest)
     return digest.hexdigest()
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _POOL
+    threads = max(1, torch.get_num_threads())
+    if _POOL is None or _POOL[0] != threads:
+        _POOL = (threads, ThreadPoolExecutor(threads, thread_name_prefix="checksum"))
+    return _POOL[1]
 
 
 def node_id() -> str:
