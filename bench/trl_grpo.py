@@ -32,9 +32,7 @@ def heldout_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) ->
     from engines.inference.hf import HFInferenceEngine
     from engines.types import SamplingParams
 
-    engine = HFInferenceEngine.__new__(HFInferenceEngine)
-    engine.tokenizer, engine.model, engine._version = tokenizer, model, 0
-    engine._cache_kw = "past_key_values"
+    engine = HFInferenceEngine.from_model(model, tokenizer)
     was_training = model.training
     model.eval()
     with torch.no_grad():

@@ -46,6 +46,11 @@ def _tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _meta(name: str, tensor: torch.Tensor, offset: int) -> TensorMeta:
+    return TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset,
+                      tensor.numel() * tensor.element_size())
+
+
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
     """Group tensors, in the order given, into byte buckets of at most ``bucket_bytes`` each."""
     buckets: list[Bucket] = []
@@ -59,7 +64,7 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         metas, offset, chunks = [], 0, []
         for name, tensor in pending:
             raw = _tensor_bytes(tensor)
-            metas.append(TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, raw.numel()))
+            metas.append(_meta(name, tensor, offset))
             chunks.append(raw)
             offset += raw.numel()
         buckets.append(Bucket(tuple(metas), torch.cat(chunks).numpy()))
@@ -185,9 +190,8 @@ class SharedWeightWriter:
         tensors = list(named_tensors)
         metas, offset = [], 0
         for name, tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            metas.append(TensorMeta(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), offset, nbytes))
-            offset += -(-nbytes // 64) * 64  # 64-byte aligned views
+            metas.append(_meta(name, tensor, offset))
+            offset += -(-metas[-1].nbytes // 64) * 64  # 64-byte aligned views
         slot = version % 2
         path = os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}")
         if slot not in self._slots or self._slots[slot].numel() != offset:
@@ -222,9 +226,8 @@ class SharedWeightReader:
         if {m.name for m in shared.metas} != set(params):
             raise ValueError(f"shared weights do not match the model: missing={sorted(set(params) - {m.name for m in shared.metas})}")
         with torch.no_grad():
-            for meta in shared.metas:
-                view = buffer[meta.offset : meta.offset + meta.nbytes].view(getattr(torch, meta.dtype)).view(meta.shape)
-                param = params[meta.name]
+            for name, view in unpack_bucket(Bucket(shared.metas, buffer.numpy())):
+                param = params[name]
                 if param.dtype == view.dtype and param.device.type == "cpu":
                     param.data = view
                 else:

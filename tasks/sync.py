@@ -21,11 +21,12 @@ def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: i
     shared_ref = train_engine.export_shared.remote(version)
     expected_ref = train_engine.weights_checksum.remote()
     received = ray.get([engine.update_weights_shared.remote(shared_ref) for engine in rollout_engines])
-    if None in received:
+    unreached = [i for i, checksum in enumerate(received) if checksum is None]
+    if unreached:
         buckets_ref = train_engine.export_weights.remote(bucket_mb << 20)
-        for i, engine in enumerate(rollout_engines):
-            if received[i] is None:
-                received[i] = ray.get(engine.update_weights.remote(version, buckets_ref))
+        checksums = ray.get([rollout_engines[i].update_weights.remote(version, buckets_ref) for i in unreached])
+        for i, checksum in zip(unreached, checksums):
+            received[i] = checksum
     expected = ray.get(expected_ref)
     bad = [i for i, checksum in enumerate(received) if checksum != expected]
     if bad:

@@ -37,8 +37,17 @@ class HFInferenceEngine:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0) -> None:
         set_torch_threads(torch_threads)
-        self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype=dtype, trainable=False).eval()
+        self._serve(load_model(model_path, dtype=dtype, trainable=False).eval(), load_tokenizer(model_path))
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer) -> "HFInferenceEngine":
+        """An engine over a model already in memory (e.g. another trainer's, for evaluation); shares its weights."""
+        engine = cls.__new__(cls)
+        engine._serve(model, tokenizer)
+        return engine
+
+    def _serve(self, model: torch.nn.Module, tokenizer) -> None:
+        self.tokenizer, self.model = tokenizer, model
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
         self._version = 0

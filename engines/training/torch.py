@@ -85,6 +85,7 @@ class TorchTrainEngine:
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.packing = packing
+        self._shared_writer: SharedWeightWriter | None = None  # created at the first shared-memory sync
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
         )
@@ -149,7 +150,7 @@ class TorchTrainEngine:
     def export_shared(self, version: int) -> SharedWeights | None:
         """Copy the weights into shared-memory slot ``version % 2``; None when ``/dev/shm`` has no room."""
         named = list(self.model.named_parameters())
-        if getattr(self, "_shared_writer", None) is None:
+        if self._shared_writer is None:
             if not SharedWeightWriter.fits(sum(p.numel() * p.element_size() for _, p in named)):
                 return None
             self._shared_writer = SharedWeightWriter("weights")
@@ -157,7 +158,7 @@ class TorchTrainEngine:
 
     def close(self) -> None:
         """Remove the shared-memory weight slots (called before the actor is killed)."""
-        if getattr(self, "_shared_writer", None) is not None:
+        if self._shared_writer is not None:
             self._shared_writer.close()
             self._shared_writer = None
 
