@@ -43,14 +43,14 @@ def _start_services(cfg) -> None:
     The thread only waits on the server's subprocess, so no two threads import the same packages."""
     import threading
 
+    import prefect.server.api.server  # noqa: F401  imported here, not in the thread
     from mlflow.tracking import MlflowClient
-    from prefect.server.api.server import SubprocessASGIServer  # the instance Prefect's client reuses
 
-    from flows.setup import ensure_ray
+    from flows.setup import ensure_ray, start_prefect_server
     from tasks.tracking import tracking_uri
 
     timeout = int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
-    thread = threading.Thread(target=lambda: SubprocessASGIServer().start(timeout=timeout), daemon=True)
+    thread = threading.Thread(target=lambda: start_prefect_server(timeout), daemon=True)
     if not os.environ.get("PREFECT_API_URL"):
         thread.start()
     ensure_ray()

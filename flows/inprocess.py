@@ -39,9 +39,9 @@ def run_inprocess(cfg: Config, model_path: str, rows: list[dict], reward_fn: Rew
     rollout = HFInferenceEngine(model_path, **common)
     optim = OptimSpec(**cfg.train.optim.model_dump(), total_steps=cfg.train.steps)
     trainer = TorchTrainEngine(model_path, optim, seed=cfg.run.seed, micro_batch_size=cfg.train.micro_batch_size,
-                               temperature=rollout_cfg.temperature, packing=cfg.train.packing, **common)
+                               temperature=rollout_cfg.temperature, packing=cfg.train.packing, share_prompts=cfg.train.share_prompts, **common)
     reference = (ReferenceEngine(model_path, micro_batch_size=cfg.train.micro_batch_size, temperature=rollout_cfg.temperature,
-                                 packing=cfg.train.packing, **common) if alg.kl.coef > 0 else None)
+                                 packing=cfg.train.packing, share_prompts=cfg.train.share_prompts, **common) if alg.kl.coef > 0 else None)
     critic = None
     if alg.advantage == "gae":
         critic_optim = OptimSpec(**alg.critic.optim.model_dump(), total_steps=cfg.train.steps)

@@ -13,7 +13,7 @@ from configs.schema import Config
 from engines import checkpoint_store as store
 from flows.rlvr import rlvr_flow
 from flows.lineage import lineage_tags
-from flows.setup import base_model_path, ensure_ray, final_dir, is_finished, load_rows
+from flows.setup import base_model_path, ensure_ray, final_dir, is_finished, load_rows, start_prefect_server
 from flows.sft import sft_flow
 from tasks.tracking import RunTracker, artifact_root, redact, tracking_uri
 
@@ -77,6 +77,7 @@ def run_flow(config: Config = Config()) -> dict:
     if is_finished(config):
         return finished_summary(config)
     ensure_ray()
+    start_prefect_server()  # before the first flow, so it runs at low priority
     tracker = open_tracking(config)
     tracker.client.update_run(tracker.run_id, status="RUNNING")  # again, after a failed attempt
     try:

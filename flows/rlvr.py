@@ -87,11 +87,12 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngi
     rollout = start_engine(f"rollout/{config.rollout.engine}", role="rollout", **common)
     trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
                            micro_batch_size=config.train.micro_batch_size, temperature=temperature,
-                           packing=config.train.packing, **trainable)
+                           packing=config.train.packing, share_prompts=config.train.share_prompts, **trainable)
     reference = critic = None
     if config.algorithm.kl.coef > 0:
         reference = start_engine("reference/torch", role="reference", micro_batch_size=config.train.micro_batch_size,
-                                 temperature=temperature, packing=config.train.packing, **common)
+                                 temperature=temperature, packing=config.train.packing,
+                                 share_prompts=config.train.share_prompts, **common)
     if config.algorithm.advantage == "gae":
         critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=config.train.steps)
         critic = start_engine(f"train/{config.train.engine}", role="critic", optim=critic_optim, seed=config.run.seed,
@@ -284,51 +285,54 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
 
     progress = StageProgress("rl", cfg.train.steps, start=state["step"],
                              keys=("reward/mean", "eval/heldout_accuracy", "time/step"))
-    for step in range(state["step"] + 1, cfg.train.steps + 1):
-        step_start = time.perf_counter()
-        scored = sample_batch(cfg, engines, domains, state["domain_positions"], step)
-        metrics = scored.metrics
-        with timed(metrics, "time/advantages"):
-            batch_ref, advantage_metrics, moments = compute_advantages(
-                engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, scored.group_ids, advantage_spec,
-                reference=engines.reference, trainer=old_logprob_engine, critic=engines.critic,
-                kl_coef=state["kl_coef"], moments=RunningMoments(**state["reward_moments"]))
-        metrics.update(advantage_metrics)
-        if engines.critic is not None:
-            with timed(metrics, "time/train_critic"):
-                metrics.update(train(engines.critic, batch_ref, value_objective))
-        if step > alg.critic.warmup_steps or engines.critic is None:
-            step_objective = dataclasses.replace(objective, kl_coef=state["kl_coef"]) if objective.kl_coef else objective
-            with timed(metrics, "time/train"):
-                metrics.update(train(engines.trainer, batch_ref, step_objective))
-            with timed(metrics, "time/sync_weights"):
-                sync_weights(engines.trainer, [engines.rollout], step, cfg.sync.bucket_mb)
-        if alg.kl.controller == "adaptive":
-            state["kl_coef"] = adaptive_kl_coef(coef=state["kl_coef"], observed_kl=advantage_metrics["kl/seq_mean"],
-                                                target_kl=alg.kl.target, horizon=alg.kl.horizon,
-                                                num_samples=len(scored.group_ids))
-            metrics["kl/coef"] = state["kl_coef"]
-        state["step"], state["domain_positions"] = step, scored.positions
-        state["data_position"] = sum(scored.positions.values())  # prompts drawn so far, all domains
-        state["reward_moments"] = dataclasses.asdict(moments)
+    with tracker.sent_on_error():  # a failing run's last metrics are the ones to see
+        for step in range(state["step"] + 1, cfg.train.steps + 1):
+            step_start = time.perf_counter()
+            tracker.flush_if_due(cfg.tracking.flush_every_s)  # earlier steps' metrics, timed as part of this step
+            scored = sample_batch(cfg, engines, domains, state["domain_positions"], step)
+            metrics = scored.metrics
+            with timed(metrics, "time/advantages"):
+                batch_ref, advantage_metrics, moments = compute_advantages(
+                    engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, scored.group_ids, advantage_spec,
+                    reference=engines.reference, trainer=old_logprob_engine, critic=engines.critic,
+                    kl_coef=state["kl_coef"], moments=RunningMoments(**state["reward_moments"]))
+            metrics.update(advantage_metrics)
+            if engines.critic is not None:
+                with timed(metrics, "time/train_critic"):
+                    metrics.update(train(engines.critic, batch_ref, value_objective))
+            if step > alg.critic.warmup_steps or engines.critic is None:
+                step_objective = dataclasses.replace(objective, kl_coef=state["kl_coef"]) if objective.kl_coef else objective
+                with timed(metrics, "time/train"):
+                    metrics.update(train(engines.trainer, batch_ref, step_objective))
+                with timed(metrics, "time/sync_weights"):
+                    sync_weights(engines.trainer, [engines.rollout], step, cfg.sync.bucket_mb)
+            if alg.kl.controller == "adaptive":
+                state["kl_coef"] = adaptive_kl_coef(coef=state["kl_coef"], observed_kl=advantage_metrics["kl/seq_mean"],
+                                                    target_kl=alg.kl.target, horizon=alg.kl.horizon,
+                                                    num_samples=len(scored.group_ids))
+                metrics["kl/coef"] = state["kl_coef"]
+            state["step"], state["domain_positions"] = step, scored.positions
+            state["data_position"] = sum(scored.positions.values())  # prompts drawn so far, all domains
+            state["reward_moments"] = dataclasses.asdict(moments)
 
-        if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-            with timed(metrics, "time/evaluate"):
-                accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
-            state["heldout_accuracy"][str(step)] = accuracy
-            metrics.update(eval_metrics(accuracy, per_domain))
-            tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
-        if cfg.tracking.sample_every and step % cfg.tracking.sample_every == 0:
-            tracker.log_samples(f"rollouts_step_{step:06d}",
-                                rollout_samples(ray.get(scored.rollouts_ref), scored.prompts, scored.columns,
-                                                ray.get(scored.rewards_ref), cfg.tracking.num_samples))
-        metrics["time/step"] = time.perf_counter() - step_start
-        metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/generate_compute_s"], 1e-9)
-        tracker.log_step("rl", step, metrics)  # flushed before any checkpoint can claim this step
-        progress.update(step, metrics)
+            if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                with timed(metrics, "time/evaluate"):
+                    accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
+                state["heldout_accuracy"][str(step)] = accuracy
+                metrics.update(eval_metrics(accuracy, per_domain))
+                tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
+            if cfg.tracking.sample_every and step % cfg.tracking.sample_every == 0:
+                tracker.log_samples(f"rollouts_step_{step:06d}",
+                                    rollout_samples(ray.get(scored.rollouts_ref), scored.prompts, scored.columns,
+                                                    ray.get(scored.rewards_ref), cfg.tracking.num_samples))
+            metrics["time/step"] = time.perf_counter() - step_start
+            metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/generate_compute_s"], 1e-9)
+            tracker.log_step("rl", step, metrics, flush=False)
+            progress.update(step, metrics)
 
-        if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-            checkpoint(engines.train_engines, run_dir, step, state, cfg.checkpoint.keep)
+            if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
+                tracker.flush()  # before a checkpoint can claim these steps: a resume re-runs only unsent ones
+                checkpoint(engines.train_engines, run_dir, step, state, cfg.checkpoint.keep)
     progress.close()
     tracker.flush()
     save_model(engines.trainer, final_dir(cfg), state["step"], state)

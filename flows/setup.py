@@ -17,6 +17,8 @@ def ensure_ray() -> None:
     if ray.is_initialized():
         return
     verbose = bool(os.environ.get("ROLLFLOW_VERBOSE"))
+    if not os.environ.get("RAY_ADDRESS"):  # Ray nices its workers to 15; the engines are the job's main work
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
         address=os.environ.get("RAY_ADDRESS") or None,
         namespace=NAMESPACE,
@@ -26,6 +28,25 @@ def ensure_ray() -> None:
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                                   "TRANSFORMERS_VERBOSITY": "error"}},
     )
+
+
+def start_prefect_server(timeout: int | None = None) -> None:
+    """Prefect's temporary server when no ``PREFECT_API_URL`` names one (and ephemeral mode is on), at
+    the lowest CPU priority: it turns task-run events into database rows, work that can wait for the
+    engines' idle moments (on 2 cores it took a third of a core from them). Safe to call again."""
+    from prefect.server.api.server import SubprocessASGIServer  # the instance Prefect's client reuses
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        return
+    server = SubprocessASGIServer()
+    server.start(timeout=timeout)
+    if server.server_process is not None and server.server_process.poll() is None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, server.server_process.pid, 19)
+        except OSError:  # not ours to renice: it runs at its own priority
+            pass
 
 
 def load_domains(config: Config) -> list:

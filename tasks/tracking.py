@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from mlflow.entities import Metric, Param
@@ -58,6 +59,7 @@ class RunTracker:
         self.run_id = run_id
         self._last_step: dict[str, int] = {}
         self._pending: list[Metric] = []
+        self._flushed_at = time.monotonic()
 
     @classmethod
     def create(cls, uri: str, experiment: str, run_name: str, params: dict[str, str], config_yaml: str,
@@ -96,8 +98,24 @@ class RunTracker:
             self.flush()
         return True
 
+    @contextmanager
+    def sent_on_error(self):
+        """On an exception in the block, send the queued metrics before it propagates."""
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):  # the block's error is the one to report
+                self.flush()
+            raise
+
+    def flush_if_due(self, every_s: float) -> None:
+        """``flush`` when the last one was ``every_s`` seconds ago or more."""
+        if self._pending and time.monotonic() - self._flushed_at >= every_s:
+            self.flush()
+
     def flush(self) -> None:
         """Send queued metrics in as few ``log_batch`` calls as MLflow allows."""
+        self._flushed_at = time.monotonic()
         pending, self._pending = self._pending, []
         for start in range(0, len(pending), MAX_BATCH):
             self.client.log_batch(self.run_id, metrics=pending[start : start + MAX_BATCH])

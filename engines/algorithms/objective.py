@@ -100,7 +100,7 @@ class SFTObjective:
         nll = aggregation.aggregate(self.agg, values=-logprobs, mask=batch.response_mask)
         metrics = {"sft/nll": float(nll.detach())}
         if entropy is not None:
-            metrics["sft/entropy"] = float(aggregation.aggregate(self.agg, values=entropy, mask=batch.response_mask))
+            metrics["sft/entropy"] = float(aggregation.aggregate(self.agg, values=entropy.detach(), mask=batch.response_mask))
         return nll, metrics
 
     def micro_weight(self, micro: TrainBatch, full: TrainBatch) -> float:

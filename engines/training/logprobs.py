@@ -50,43 +50,111 @@ class PackedSequences:
     """Left-aligned rows of a ``[B, L]`` batch packed into ``[R, W]`` rows (``R <= B``).
 
     ``logit_index`` (rows, cols in the packed layout) are the positions whose logits predict the tokens at
-    ``target_index`` (rows, cols in the ``[B, L]`` layout); ``target_ids`` are those tokens."""
+    ``target_index`` (rows, cols in the ``[B, L]`` layout); ``target_ids`` are those tokens. With
+    ``attention_mask`` (additive, ``[R, 1, W, W]``) rows with one prompt share a single copy of it;
+    without, sequences are told apart by their position ids alone."""
 
     input_ids: torch.Tensor  # [R, W]
     position_ids: torch.Tensor  # [R, W]; a new sequence (or the pad tail) starts at 0
     logit_index: tuple[torch.Tensor, torch.Tensor]  # ([N], [N])
     target_index: tuple[torch.Tensor, torch.Tensor]  # ([N], [N])
     target_ids: torch.Tensor  # [N]
+    attention_mask: torch.Tensor | None = None
+
+
+SHARED_PROMPT_MIN_SAVING = 0.1  # share prompts when that removes at least this share of the tokens
+SHARED_SEGMENT_WIDTH = 512  # a shared segment grows past the longest sequence up to this many tokens
+
+
+def _prompt_segments(input_ids: torch.Tensor, lengths: list[int], prompt_lengths: list[int],
+                     share_prompts: bool) -> list[tuple[int, list[int]]]:
+    """``(prefix length, rows)`` per segment: rows whose prompts are identical (a GRPO group) form one
+    segment of the prompt once, then each row's response; unshared, every row is a segment of its own.
+
+    Shared segments are cut at ``max(longest sequence, SHARED_SEGMENT_WIDTH)`` tokens, and sharing is
+    dropped when it would save under ``SHARED_PROMPT_MIN_SAVING`` of the tokens (the masked attention of
+    a shared row costs more than position-separated packing)."""
+    alone = [(0, [i]) for i in range(len(lengths))]
+    if not share_prompts:
+        return alone
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompt_lengths):
+        groups.setdefault(tuple(input_ids[i, :p].tolist()) if p else ("row", i), []).append(i)
+    saved = sum((len(rows) - 1) * prompt_lengths[rows[0]] for rows in groups.values())
+    if saved < SHARED_PROMPT_MIN_SAVING * sum(lengths):
+        return alone
+    cap, segments = max(max(lengths), SHARED_SEGMENT_WIDTH), []
+    for rows in groups.values():
+        prefix = prompt_lengths[rows[0]]
+        current, size = [], prefix
+        for i in rows:
+            if current and size + lengths[i] - prefix > cap:
+                segments.append((prefix, current))
+                current, size = [], prefix
+            current.append(i)
+            size += lengths[i] - prefix
+        segments.append((prefix, current))
+    return segments
 
 
 def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed: torch.Tensor,
-                   pad_token_id: int = 0) -> PackedSequences:
-    """Pack the rows of a left-aligned batch (first-fit decreasing into rows of its longest length).
+                   pad_token_id: int = 0, share_prefixes: bool = False,
+                   dtype: torch.dtype = torch.float32) -> PackedSequences:
+    """Pack the rows of a left-aligned batch (first-fit decreasing into rows of its longest segment).
 
-    ``needed`` [B, L] marks the tokens whose log-probability is wanted (column 0 never is)."""
-    lengths = attention_mask.sum(-1).tolist()
-    width = max(lengths)
-    free: list[int] = []  # room left in each packed row
-    place = [(0, 0)] * len(lengths)  # (packed row, offset) of each sequence
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r, room in enumerate(free) if room >= lengths[i]), len(free))
-        if row == len(free):
-            free.append(width)
-        place[i] = (row, width - free[row])
-        free[row] -= lengths[i]
-    packed_ids = torch.full((len(free), width), pad_token_id, dtype=torch.long)
-    positions = torch.zeros((len(free), width), dtype=torch.long)
-    for i, (row, offset) in enumerate(place):
-        packed_ids[row, offset:offset + lengths[i]] = input_ids[i, :lengths[i]]
-        positions[row, offset:offset + lengths[i]] = torch.arange(lengths[i])
-    for row, room in enumerate(free):  # the pad tail is a sequence of its own
-        positions[row, width - room:] = torch.arange(room)
+    ``needed`` [B, L] marks the tokens whose log-probability is wanted (column 0 never is). With
+    ``share_prefixes``, rows whose tokens before their first needed one are identical (a GRPO group's
+    prompt) share one copy of them (Prefix Grouper, Liu et al. 2025): each row's own tokens attend to the
+    shared prefix and to themselves, through an additive ``[R, 1, W, W]`` mask of ``dtype``. The logits
+    are those of the unshared rows."""
     needed = needed.bool().clone()
     needed[:, 0] = False
+    lengths = attention_mask.sum(-1).tolist()
+    prefix_lengths = torch.where(needed.any(-1), needed.int().argmax(-1), 0).tolist()
+    segments = _prompt_segments(input_ids, lengths, prefix_lengths, share_prefixes)
+    sizes = [prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in segments]
+    width = max(sizes)
+    free: list[int] = []  # room left in each packed row
+    place = [(0, 0)] * len(segments)  # (packed row, offset) of each segment
+    for s in sorted(range(len(segments)), key=lambda s: -sizes[s]):
+        row = next((r for r, room in enumerate(free) if room >= sizes[s]), len(free))
+        if row == len(free):
+            free.append(width)
+        place[s] = (row, width - free[row])
+        free[row] -= sizes[s]
+    packed_ids = torch.full((len(free), width), pad_token_id, dtype=torch.long)
+    positions = torch.zeros((len(free), width), dtype=torch.long)
+    branch = torch.zeros((len(free), width), dtype=torch.long)  # 0: shared prefix or pad tail; i + 1: row i's own
+    segment_of = torch.zeros((len(free), width), dtype=torch.long)  # segment id + 1; pad tails stay 0
+    packed_row = torch.zeros(len(lengths), dtype=torch.long)
+    packed_col = torch.zeros(input_ids.shape, dtype=torch.long)  # where each (row, col) token sits in its packed row
+    for s, ((prefix, rows), (row, offset)) in enumerate(zip(segments, place)):
+        packed_ids[row, offset:offset + prefix] = input_ids[rows[0], :prefix]
+        positions[row, offset:offset + prefix] = torch.arange(prefix)
+        segment_of[row, offset:offset + sizes[s]] = s + 1
+        cursor = offset + prefix
+        for i in rows:
+            own = lengths[i] - prefix
+            packed_ids[row, cursor:cursor + own] = input_ids[i, prefix:lengths[i]]
+            positions[row, cursor:cursor + own] = torch.arange(prefix, lengths[i])
+            branch[row, cursor:cursor + own] = i + 1
+            packed_row[i] = row
+            packed_col[i, :prefix] = torch.arange(offset, offset + prefix)
+            packed_col[i, prefix:lengths[i]] = torch.arange(cursor, cursor + own)
+            cursor += own
+    for row, room in enumerate(free):  # the pad tail is a sequence of its own
+        positions[row, width - room:] = torch.arange(room)
     rows, cols = needed.nonzero(as_tuple=True)
-    place_t = torch.tensor(place, dtype=torch.long).reshape(-1, 2)
-    return PackedSequences(packed_ids, positions, (place_t[rows, 0], place_t[rows, 1] + cols - 1), (rows, cols),
-                           input_ids[rows, cols])
+    mask = None
+    if any(len(rows_) > 1 for _, rows_ in segments):
+        same = segment_of[:, :, None] == segment_of[:, None, :]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        visible = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+        pad_tail = (segment_of == 0)[:, :, None] & (segment_of == 0)[:, None, :]
+        allowed = (same & visible | pad_tail) & causal
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return PackedSequences(packed_ids, positions, (packed_row[rows], packed_col[rows, cols - 1]), (rows, cols),
+                           input_ids[rows, cols], mask)
 
 
 def _output_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,13 +174,16 @@ def packed_token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    share_prefixes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``token_logprobs`` at the ``needed`` tokens (0 elsewhere), computed on packed rows without padding.
+    """``token_logprobs`` at the ``needed`` tokens (0 elsewhere), computed on packed rows without padding;
+    with ``share_prefixes``, rows with one prompt share it (see ``pack_sequences``).
 
     Same values as the padded form up to float rounding; ``[B, L]`` outputs, differentiable."""
-    packed = pack_sequences(input_ids, attention_mask, needed)
+    packed = pack_sequences(input_ids, attention_mask, needed, share_prefixes=share_prefixes, dtype=model.dtype)
+    # without a mask, transformers tells the packed sequences apart by their restarting positions
     hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                 use_cache=False).last_hidden_state  # no mask: sequences are told apart by positions
+                                 attention_mask=packed.attention_mask, use_cache=False).last_hidden_state
     logits = _output_logits(model, hidden[packed.logit_index]).float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     log_probs = torch.log_softmax(logits, dim=-1)  # [N, V]
@@ -139,13 +210,15 @@ def token_values(
 
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int, temperature: float,
-                     packing: bool = False) -> torch.Tensor:
+                     packing: bool = False, share_prompts: bool = False) -> torch.Tensor:
     """``token_logprobs`` over ``batch`` in micro-batches, padded back to the batch width, [B, L].
 
-    With ``packing`` only the response tokens get logprobs (0 elsewhere), computed without padding."""
+    With ``packing`` only the response tokens get logprobs (0 elsewhere), computed without padding (and
+    with ``share_prompts`` one copy of each group's prompt)."""
     if packing:
         return _batched(lambda m: packed_token_logprobs(model, m.input_ids, m.attention_mask, m.response_mask,
-                                                        temperature=temperature)[0], batch, micro_batch_size)
+                                                        temperature=temperature, share_prefixes=share_prompts)[0],
+                        batch, micro_batch_size)
     return _batched(lambda m: token_logprobs(model, m.input_ids, m.attention_mask, temperature=temperature)[0],
                     batch, micro_batch_size)
 

@@ -73,7 +73,7 @@ class TorchTrainEngine:
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
                  torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
-                 head: str = "policy", packing: bool = True) -> None:
+                 head: str = "policy", packing: bool = True, share_prompts: bool = True) -> None:
         if head not in ("policy", "value"):
             raise ValueError(f"head must be 'policy' or 'value', got {head!r}")
         set_torch_threads(torch_threads)
@@ -85,6 +85,7 @@ class TorchTrainEngine:
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.packing = packing
+        self.share_prompts = packing and share_prompts
         self._shared_writer: SharedWeightWriter | None = None  # created at the first shared-memory sync
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
@@ -95,7 +96,8 @@ class TorchTrainEngine:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token logprobs of ``batch.input_ids`` under the current weights, [B, L]."""
         self.model.eval()
-        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing)
+        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing,
+                                self.share_prompts)
 
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``: PPO's old logprobs."""
@@ -112,7 +114,8 @@ class TorchTrainEngine:
             return {"values": token_values(self.model, micro.input_ids, micro.attention_mask)}
         if self.packing:
             logprobs, entropy = packed_token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                                      micro.response_mask, temperature=self.temperature, with_entropy=True)
+                                                      micro.response_mask, temperature=self.temperature, with_entropy=True,
+                                                      share_prefixes=self.share_prompts)
         else:
             logprobs, entropy = token_logprobs(
                 self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
@@ -222,16 +225,19 @@ class ReferenceEngine:
     """Frozen copy of the initial policy; scores sequences for the KL term."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0,
-                 micro_batch_size: int = 8, temperature: float = 1.0, packing: bool = True) -> None:
+                 micro_batch_size: int = 8, temperature: float = 1.0, packing: bool = True,
+                 share_prompts: bool = True) -> None:
         set_torch_threads(torch_threads)
         self.model = load_model(model_path, dtype=dtype, trainable=False).eval()
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.packing = packing
+        self.share_prompts = packing and share_prompts
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing)
+        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing,
+                                self.share_prompts)
 
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``."""

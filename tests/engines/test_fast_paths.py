@@ -82,6 +82,62 @@ def test_pack_sequences_places_every_token_once_without_overlap():
     assert torch.equal(packed.position_ids[r, c + 1], bc)  # positions restart per sequence
 
 
+def _grouped_batch(seed=0, groups=3, group_size=4, vocab=30):
+    """GRPO-shaped rows: ``groups`` prompts (lengths 3-7) each with ``group_size`` responses (lengths 1-8)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(groups):
+        prompt = torch.randint(2, vocab, (int(torch.randint(3, 8, (), generator=gen)),), generator=gen)
+        for _ in range(group_size):
+            rows.append((prompt, torch.randint(2, vocab, (int(torch.randint(1, 9, (), generator=gen)),), generator=gen)))
+    width = max(len(p) + len(r) for p, r in rows)
+    ids, mask, response = (torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long),
+                           torch.zeros(len(rows), width))
+    for i, (p, r) in enumerate(rows):
+        ids[i, :len(p) + len(r)] = torch.cat([p, r])
+        mask[i, :len(p) + len(r)] = 1
+        response[i, len(p):len(p) + len(r)] = 1
+    return ids, mask, response
+
+
+def test_shared_prompt_packing_keeps_one_prompt_per_group():
+    ids, mask, response = _grouped_batch()
+    packed = pack_sequences(ids, mask, response, share_prefixes=True)
+    prompt_tokens = int((mask - response).sum())
+    assert packed.attention_mask is not None and packed.attention_mask.shape[1:] == (1, *[packed.input_ids.shape[1]] * 2)
+    assert (packed.input_ids != 0).sum() == mask.sum() - prompt_tokens * 3 // 4  # 3 of each 4 prompt copies gone
+    r, c = packed.logit_index
+    br, bc = packed.target_index
+    assert torch.equal(packed.input_ids[r, c], ids[br, bc - 1])  # the logit position holds the token before
+    assert torch.equal(packed.position_ids[r, c], bc - 1)  # at its unshared position
+    # each token sees exactly as many tokens as in its unshared row: its prompt and its own response
+    lengths, prompt = mask.sum(-1), int((mask - response)[0].sum())
+    tails = (packed.input_ids.shape[1] - (packed.input_ids != 0).sum(-1)).tolist()
+    expected = sum(n * (n + 1) // 2 for n in lengths.tolist()) + sum(t * (t + 1) // 2 for t in tails)
+    expected -= sum(3 * p * (p + 1) // 2 for p in (mask - response)[::4].sum(-1).tolist())
+    assert int((packed.attention_mask == 0).sum()) == expected and prompt > 0
+    # without repeated prompts nothing is shared: plain position-separated packing
+    assert pack_sequences(*_batch(), share_prefixes=True).attention_mask is None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prompt_logprobs_entropy_and_gradients_match_padded(tiny_model_dir, temperature):
+    from engines.models import load_model
+
+    model = load_model(tiny_model_dir)
+    ids, mask, response = _grouped_batch(vocab=len(HFInferenceEngine(tiny_model_dir).tokenizer))
+    ref_lp, ref_h = token_logprobs(model, ids, mask, temperature=temperature, with_entropy=True)
+    lp, h = packed_token_logprobs(model, ids, mask, response, temperature=temperature, with_entropy=True,
+                                  share_prefixes=True)
+    assert ((ref_lp - lp) * response).abs().max() < 1e-5 and ((ref_h - h) * response).abs().max() < 1e-5
+    grads = []
+    for loss in ((ref_lp + ref_h) * response).sum(), (lp + h).sum():
+        model.zero_grad()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert max((a - b).abs().max() for a, b in zip(*grads)) < 1e-4
+
+
 def test_packed_logprobs_and_entropy_match_padded(tiny_model_dir):
     from engines.models import load_model
 
@@ -102,6 +158,19 @@ def test_packed_train_step_matches_padded(tiny_model_dir):
     assert abs(metrics[0]["train/grad_norm"] - metrics[1]["train/grad_norm"]) < 1e-4
     for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
         assert (a - b).abs().max() < 1e-5, name
+
+
+def test_shared_prompt_train_step_matches_padded(tiny_model_dir):
+    """A GRPO-shaped batch (each prompt 4 times): same loss and updated weights with prompts shared."""
+    engines = [TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-2), micro_batch_size=8, packing=p, share_prompts=p)
+               for p in (False, True)]
+    prompts, targets = ["12+3="] * 4 + ["29+30="] * 4, ["15", "1", "105", "5", "59", "9", "5", "599"]
+    batch = sft_batch(tiny_model_dir, prompts, targets)
+    metrics = [e.train_step(batch, SFTObjective()) for e in engines]
+    assert abs(metrics[0]["sft/nll"] - metrics[1]["sft/nll"]) < 1e-5
+    assert abs(metrics[0]["train/grad_norm"] - metrics[1]["train/grad_norm"]) < 1e-4
+    for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
+        assert (a - b).abs().max() < 5e-5, name  # Adam's first step is ±lr wherever a gradient is ~0
 
 
 def test_shared_memory_sync_alternates_slots_and_cleans_up(tiny_model_dir):
