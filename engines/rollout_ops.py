@@ -34,14 +34,25 @@ class ScoreSpec:
 def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, list], spec: ScoreSpec):
     """Reward each completion; returns ``(rewards [B], stats)``. Inputs are per-row (already repeated).
 
+    A reward is a function of its sample, so identical samples (one prompt, completion and columns: a
+    GRPO group's repeats) are scored once; event counts (``timeout``, ``error``, …) are of distinct samples.
     ``stats`` are sums (``summarize`` turns the stats of several chunks and domains into metrics)."""
     start = time.perf_counter()
-    values, events = score_samples(spec.reward, prompts, rollouts.completions, columns, spec.options,
+    first: dict[str, int] = {}  # a sample's key -> its index among the distinct samples
+    unique, row_to_unique = [], []  # the first row of each distinct sample; each row's distinct sample
+    for i, completion in enumerate(rollouts.completions):
+        key = repr((prompts[i], completion, [values[i] for values in columns.values()]))
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(i)
+        row_to_unique.append(first[key])
+    values, events = score_samples(spec.reward, [prompts[i] for i in unique], [rollouts.completions[i] for i in unique],
+                                   {k: [v[i] for i in unique] for k, v in columns.items()}, spec.options,
                                    chunk_size=spec.chunk_size, concurrency=spec.concurrency, timeout_s=spec.timeout_s)
-    rewards = torch.tensor(values, dtype=torch.float32)
+    rewards = torch.tensor(values, dtype=torch.float32)[torch.tensor(row_to_unique, dtype=torch.long)]
     lengths = rollouts.response_lengths.float()
     stats = {
-        "domain": spec.domain, "n": len(values), "reward_sum": float(rewards.sum()),
+        "domain": spec.domain, "n": len(rewards), "reward_sum": float(rewards.sum()),
         "reward_sq_sum": float((rewards ** 2).sum()), "correct": int((rewards >= 1.0).sum()),
         "length_sum": float(lengths.sum()), "length_max": float(lengths.max()) if len(lengths) else 0.0,
         "truncated": sum(r == "length" for r in rollouts.finish_reasons), "events": events,

@@ -110,16 +110,19 @@ def weights_checksum(model: torch.nn.Module) -> str:
     """XXH3-128 over every parameter's name, dtype, shape and the XXH3-128 of its bytes, in name order.
 
     Equal for bit-identical weights; any changed bit, tensor swap or rename changes it. Tensors are read
-    in place (no copy) and hashed on ``torch.get_num_threads()`` threads (xxhash releases the GIL)."""
+    in place (no copy) and hashed on ``torch.get_num_threads()`` threads (xxhash releases the GIL), or
+    on this one below ``SERIAL_HASH_BYTES``, where handing tensors to threads costs more than hashing."""
     named = sorted(model.named_parameters(), key=lambda item: item[0])
     views = [memoryview(_tensor_bytes(param.detach().cpu()).numpy()) for _, param in named]
-    digests = _hash_pool().map(lambda view: xxhash.xxh3_128(view).digest(), views)
+    mapper = map if sum(view.nbytes for view in views) < SERIAL_HASH_BYTES else _hash_pool().map
+    digests = mapper(lambda view: xxhash.xxh3_128(view).digest(), views)
     digest = xxhash.xxh3_128()
     for (name, param), tensor_digest in zip(named, digests):
         digest.update(f"{name}:{param.dtype}:{tuple(param.shape)}:".encode() + tensor_digest)
     return digest.hexdigest()
 
 
+SERIAL_HASH_BYTES = 16 << 20
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -172,6 +175,7 @@ class SharedWeightWriter:
         self.prefix = f"rollflow-{tag}-"
         self.pid = os.getpid()
         self._slots: dict[int, torch.Tensor] = {}
+        self._layout: tuple[list, tuple[TensorMeta, ...], int] | None = None
         self._remove_stale()
 
     def _remove_stale(self) -> None:
@@ -188,10 +192,14 @@ class SharedWeightWriter:
 
     def write(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], node_id: str) -> SharedWeights:
         tensors = list(named_tensors)
-        metas, offset = [], 0
-        for name, tensor in tensors:
-            metas.append(_meta(name, tensor, offset))
-            offset += -(-metas[-1].nbytes // 64) * 64  # 64-byte aligned views
+        key = [(name, tensor.dtype, tensor.shape) for name, tensor in tensors]
+        if self._layout is None or self._layout[0] != key:  # the same tensors every sync: laid out once
+            metas, offset = [], 0
+            for name, tensor in tensors:
+                metas.append(_meta(name, tensor, offset))
+                offset += -(-metas[-1].nbytes // 64) * 64  # 64-byte aligned views
+            self._layout = (key, tuple(metas), offset)
+        _, metas, offset = self._layout
         slot = version % 2
         path = os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}")
         if slot not in self._slots or self._slots[slot].numel() != offset:
@@ -200,7 +208,7 @@ class SharedWeightWriter:
         with torch.no_grad():
             for meta, (_, tensor) in zip(metas, tensors):
                 buffer[meta.offset : meta.offset + meta.nbytes].copy_(_tensor_bytes(tensor))
-        return SharedWeights(version, path, node_id, tuple(metas), offset)
+        return SharedWeights(version, path, node_id, metas, offset)
 
     def close(self) -> None:
         self._slots.clear()

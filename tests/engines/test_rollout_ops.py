@@ -104,3 +104,27 @@ def test_concat_rollouts_takes_the_kept_rows_in_order():
     assert merged.response_ids.shape == (3, 4)
     assert merged.response_ids[0].tolist() == [11, 11, 0, 0]  # a's row 1, padded to the wider part
     assert merged.completions == ["c1", "c0", "c2"]
+
+
+def test_identical_samples_are_scored_once_and_every_row_gets_its_reward():
+    from engines.rewards import REWARDS
+    from engines.rollout_ops import ScoreSpec, score_rollouts
+
+    seen: list[tuple[str, str, str]] = []
+
+    @REWARDS.register("t_counting")
+    def counting(prompts, completions, answer, **_):
+        seen.extend(zip(prompts, completions, answer))
+        return [float(c == a) + 0.1 * len(p) for p, c, a in zip(prompts, completions, answer)]
+
+    try:
+        rollouts = _rollouts([1, 1, 1, 1, 1, 1])
+        rollouts.completions[:] = ["4", "4", "5", "4", "4", "4"]
+        prompts = ["2+2=", "2+2=", "2+2=", "2+2=", "1+3=", "1+3="]
+        answers = ["4", "4", "4", "4", "4", "5"]  # the last row: same prompt and completion, another answer
+        rewards, stats = score_rollouts(rollouts, prompts, {"answer": answers}, ScoreSpec("t_counting", chunk_size=2))
+        assert sorted(seen) == sorted({("2+2=", "4", "4"), ("2+2=", "5", "4"), ("1+3=", "4", "4"), ("1+3=", "4", "5")})
+        assert torch.allclose(rewards, torch.tensor([1.4, 1.4, 0.4, 1.4, 1.4, 0.4]))
+        assert stats["n"] == 6 and stats["correct"] == 4
+    finally:
+        REWARDS._entries.pop("t_counting")
