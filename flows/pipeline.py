@@ -15,7 +15,7 @@ from flows.rlvr import rlvr_flow
 from flows.lineage import lineage_tags
 from flows.setup import base_model_path, ensure_ray, final_dir, is_finished, load_rows, start_prefect_server
 from flows.sft import sft_flow
-from tasks.tracking import RunTracker, artifact_root, redact, tracking_uri
+from tasks.tracking import RunTracker, redact, tracking_uri
 
 
 def open_tracking(config: Config) -> RunTracker:
@@ -28,7 +28,7 @@ def open_tracking(config: Config) -> RunTracker:
     if record is not None:
         return RunTracker(uri, record["mlflow_run_id"])
     tracker = RunTracker.create(uri, config.tracking.experiment, config.run.name, flat_params(config),
-                                dump_config(config), artifact_root=artifact_root(run_dir, uri),
+                                dump_config(config),
                                 tags=lineage_tags(config, *load_rows(config)))
     store.write_json(record_uri, {"mlflow_run_id": tracker.run_id, "tracking_uri": redact(uri), "name": config.run.name})
     return tracker

@@ -30,11 +30,13 @@ def tracking_uri(run_dir: str) -> str:
     return f"sqlite:///{Path(run_dir).resolve()}/mlflow.db"
 
 
-def artifact_root(run_dir: str, uri: str) -> str | None:
-    """Where a new experiment keeps artifacts: beside the run directory's own sqlite store (not in the
-    working directory's ./mlruns); a tracking server or a user's store decides for itself (None)."""
-    own = not os.environ.get("MLFLOW_TRACKING_URI") and uri.startswith("sqlite:///")
-    return str(Path(run_dir).resolve() / "mlartifacts") if own else None
+def local_artifact_root(uri: str) -> str | None:
+    """Where a new experiment keeps artifacts: ``mlartifacts/`` beside a local sqlite store (the run
+    directory's own, or a user's ``sqlite:///…`` file), not in the working directory's ./mlruns; a
+    tracking server decides for itself (None)."""
+    if uri.startswith("sqlite:///"):
+        return str(Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts")
+    return None
 
 
 SECRET_ENV_WORDS = ("SECRET", "PASSWORD", "TOKEN", "ACCESS_KEY", "CREDENTIAL", "API_KEY", "PRIVATE_KEY")
@@ -64,10 +66,13 @@ class RunTracker:
     @classmethod
     def create(cls, uri: str, experiment: str, run_name: str, params: dict[str, str], config_yaml: str,
                artifact_root: str | None = None, tags: dict[str, str] | None = None) -> "RunTracker":
-        """A new MLflow run with the config as params and ``config.yaml``; every value passes ``redact``."""
+        """A new MLflow run with the config as params and ``config.yaml``; every value passes ``redact``.
+
+        A new experiment keeps its artifacts at ``artifact_root``, by default ``local_artifact_root(uri)``."""
         client = MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location=artifact_root)
+        experiment_id = found.experiment_id if found else client.create_experiment(
+            experiment, artifact_location=artifact_root or local_artifact_root(uri))
         all_tags = {"rollflow.run_name": run_name, **(tags or {})}
         run = client.create_run(experiment_id, run_name=run_name, tags={k: redact(v) for k, v in all_tags.items()})
         tracker = cls(uri, run.info.run_id)

@@ -51,3 +51,27 @@ def test_credentials_never_reach_mlflow(tmp_path, monkeypatch):
     assert run.data.tags["rollflow.run_dir"] == "s3://***@bucket/run"
     config_text = open(tracker.client.download_artifacts(tracker.run_id, "config.yaml", str(tmp_path))).read()
     assert "hf_tok" not in config_text and "https://***@example.org/x" in config_text
+
+
+def test_metrics_wait_for_their_flush_interval_and_are_sent_on_error(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = RunTracker.create(uri, "exp", "run-c", {}, "")
+    tracker.log_step("rl", 1, {"reward/mean": 0.1}, flush=False)
+    tracker.flush_if_due(3600)  # not due: still queued
+    assert tracker.client.get_metric_history(tracker.run_id, "reward/mean") == []
+    tracker.flush_if_due(0)
+    assert [m.step for m in tracker.client.get_metric_history(tracker.run_id, "reward/mean")] == [1]
+    try:
+        with tracker.sent_on_error():
+            tracker.log_step("rl", 2, {"reward/mean": 0.2}, flush=False)
+            raise RuntimeError("engine died")
+    except RuntimeError:
+        pass
+    assert [m.step for m in tracker.client.get_metric_history(tracker.run_id, "reward/mean")] == [1, 2]
+
+
+def test_artifacts_live_beside_a_local_sqlite_store(tmp_path):
+    tracker = RunTracker.create(f"sqlite:///{tmp_path}/db/mlflow.db", "exp", "run-d", {}, "run: {}\n")
+    artifact_uri = tracker.client.get_run(tracker.run_id).info.artifact_uri
+    assert artifact_uri.startswith(str(tmp_path / "db" / "mlartifacts"))
+    assert (tmp_path / "db" / "mlartifacts").is_dir()  # config.yaml landed there, not in ./mlruns
