@@ -91,7 +91,7 @@ def _overhead(history: dict, skip_first: bool = True) -> dict:
 def grpo_iter_vs_trl() -> dict:
     rows, _ = arithmetic_rows()
     out = {}
-    for size, steps in (("tiny", 12), ("bench", 6)):
+    for size, steps in (("tiny", 12), ("bench", 8)):
         model = build_model(size, Path(scratch_dir(f"model-{size}")) / "model", rows)
         tokens = MAX_NEW_TOKENS[size]
         trl = _trl(model, steps, tokens, lr=1e-4)

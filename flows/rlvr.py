@@ -316,11 +316,11 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
             state["reward_moments"] = dataclasses.asdict(moments)
 
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                with timed(metrics, "time/evaluate"):
+                with timed(metrics, "time/evaluate"):  # evaluation and its sample table
                     accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
+                    tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
                 state["heldout_accuracy"][str(step)] = accuracy
                 metrics.update(eval_metrics(accuracy, per_domain))
-                tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
             if cfg.tracking.sample_every and step % cfg.tracking.sample_every == 0:
                 tracker.log_samples(f"rollouts_step_{step:06d}",
                                     rollout_samples(ray.get(scored.rollouts_ref), scored.prompts, scored.columns,
