@@ -64,6 +64,7 @@ class PackedSequences:
 
 SHARED_PROMPT_MIN_SAVING = 0.1  # share prompts when that removes at least this share of the tokens
 SHARED_SEGMENT_WIDTH = 512  # a shared segment grows past the longest sequence up to this many tokens
+SHARED_MAX_WIDTH = 2048  # longer sequences are not shared: the dense [W, W] mask grows with the square
 
 
 def _prompt_segments(input_ids: torch.Tensor, lengths: list[int], prompt_lengths: list[int],
@@ -73,9 +74,10 @@ def _prompt_segments(input_ids: torch.Tensor, lengths: list[int], prompt_lengths
 
     Shared segments are cut at ``max(longest sequence, SHARED_SEGMENT_WIDTH)`` tokens, and sharing is
     dropped when it would save under ``SHARED_PROMPT_MIN_SAVING`` of the tokens (the masked attention of
-    a shared row costs more than position-separated packing)."""
+    a shared row costs more than position-separated packing) or a sequence is longer than
+    ``SHARED_MAX_WIDTH``."""
     alone = [(0, [i]) for i in range(len(lengths))]
-    if not share_prompts:
+    if not share_prompts or max(lengths) > SHARED_MAX_WIDTH:
         return alone
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(prompt_lengths):
