@@ -245,6 +245,9 @@ def train_packing() -> dict:
 
 
 # -- 6 ----------------------------------------------------------------------------------------------------------
+SYNC_REPEATS = 12
+
+
 def weight_sync() -> dict:
     import ray
     import torch
@@ -262,7 +265,7 @@ def weight_sync() -> dict:
     pairs = [(dst, src) for (_, dst), (_, src) in zip(target.named_parameters(), source.named_parameters())]
     nbytes = sum(p.numel() * p.element_size() for _, p in pairs)
     raw = []
-    for _ in range(7):
+    for _ in range(SYNC_REPEATS):
         start = time.perf_counter()
         with torch.no_grad():
             for dst, src in pairs:
@@ -273,19 +276,22 @@ def weight_sync() -> dict:
     trainer = start_engine("train/torch", role="trainer", optim=OptimSpec(), reuse=False, **common)
     rollout = start_engine("rollout/hf", role="rollout", **common)
     synced, bucketed = [], []
-    for version in range(1, 8):
+    for version in range(1, SYNC_REPEATS + 1):
         start = time.perf_counter()
         checksum = sync_weights.fn(trainer, [rollout], version, 64)
         synced.append(time.perf_counter() - start)
         assert checksum == ray.get(rollout.weights_checksum.remote())
-    for version in range(8, 11):  # the object-store path, for reference
+    for version in range(SYNC_REPEATS + 1, SYNC_REPEATS + 4):  # the object-store path, for reference
         start = time.perf_counter()
         ray.get(rollout.update_weights.remote(version, trainer.export_weights.remote(64 << 20)))
         bucketed.append(time.perf_counter() - start)
     stop_engine(trainer)
     stop_engine(rollout)
     ray.shutdown()
-    result = {"value": median(synced[1:]) / median(raw[1:]), "sync_s": median(synced[1:]), "raw_copy_s": median(raw[1:]),
+    print("each sync (ms):", [round(s * 1e3, 1) for s in synced], " each copy (ms):", [round(s * 1e3, 1) for s in raw])
+    steady = slice(2, None)  # the first sync into each of the two slots allocates its shared memory
+    result = {"value": median(synced[steady]) / median(raw[steady]), "sync_s": median(synced[steady]),
+              "raw_copy_s": median(raw[steady]),
               "bucket_path_s": median(bucketed), "mbytes": nbytes / 2**20}
     print(f"{result['mbytes']:.0f} MiB: sync (shared memory, both checksums) {result['sync_s'] * 1e3:.1f} ms, "
           f"in-process copy {result['raw_copy_s'] * 1e3:.1f} ms, object-store buckets without checksum "

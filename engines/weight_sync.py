@@ -6,6 +6,11 @@ Two transports:
   files under ``/dev/shm`` (slot ``version % 2``); a receiver of the same dtype makes its parameters
   views into that mapping, so the sync costs one copy and no (de)serialisation. The receiver reads
   slot ``v % 2`` until the next sync switches it to the other slot, the one the trainer writes next.
+  The trainer copies on up to ``torch.get_num_threads()`` threads, each through its own group of
+  tensors in chunks, hashing each source chunk right after its copy while it is still in cache. The
+  copy may run in the background (``write(..., background=True)``), so the Ray round trips of a sync
+  overlap it: the slot's header counts each group's finished tensors and holds the version whose bytes
+  are complete (-1 while written); a receiver hashes each tensor as soon as its group has passed it.
 * Buckets (any node): parameters flattened into contiguous byte buckets of at most ``bucket_bytes``
   (one tensor larger than that gets a bucket of its own). Buckets are numpy byte arrays so Ray's
   object store hands them to the receiving actor without a pickle copy.
@@ -17,8 +22,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -112,14 +118,51 @@ def weights_checksum(model: torch.nn.Module) -> str:
     Equal for bit-identical weights; any changed bit, tensor swap or rename changes it. Tensors are read
     in place (no copy) and hashed on ``torch.get_num_threads()`` threads (xxhash releases the GIL), or
     on this one below ``SERIAL_HASH_BYTES``, where handing tensors to threads costs more than hashing."""
-    named = sorted(model.named_parameters(), key=lambda item: item[0])
+    named = list(model.named_parameters())
     views = [memoryview(_tensor_bytes(param.detach().cpu()).numpy()) for _, param in named]
     mapper = map if sum(view.nbytes for view in views) < SERIAL_HASH_BYTES else _hash_pool().map
     digests = mapper(lambda view: xxhash.xxh3_128(view).digest(), views)
+    return _combine_digests((name, param, digest) for (name, param), digest in zip(named, digests))
+
+
+def _combine_digests(entries: Iterable[tuple[str, torch.Tensor, bytes]]) -> str:
+    """The checksum from each tensor's (name, tensor, XXH3-128 digest of its bytes), taken in name order."""
     digest = xxhash.xxh3_128()
-    for (name, param), tensor_digest in zip(named, digests):
-        digest.update(f"{name}:{param.dtype}:{tuple(param.shape)}:".encode() + tensor_digest)
+    for name, tensor, tensor_digest in sorted(entries, key=lambda entry: entry[0]):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode() + tensor_digest)
     return digest.hexdigest()
+
+
+COPY_CHUNK_BYTES = 512 << 10  # small enough to be hashed from cache right after it is copied
+
+
+def _copy_and_hash(pairs: list[tuple[int, np.ndarray, np.ndarray]], done: np.ndarray | None = None,
+                   slot: int = 0) -> list[tuple[int, bytes]]:
+    """Copy each ``(index, source, destination)`` byte array chunk by chunk; returns each source's XXH3-128
+    digest, hashed chunk after chunk while the chunk is in cache (numpy and xxhash release the GIL).
+    ``done[slot]`` counts the finished arrays (x86 keeps stores in order; elsewhere checksums catch it)."""
+    digests = []
+    for count, (index, source, destination) in enumerate(pairs, 1):
+        digest = xxhash.xxh3_128()
+        for start in range(0, source.size, COPY_CHUNK_BYTES):
+            chunk = source[start : start + COPY_CHUNK_BYTES]
+            np.copyto(destination[start : start + COPY_CHUNK_BYTES], chunk)
+            digest.update(chunk)
+        digests.append((index, digest.digest()))
+        if done is not None:
+            done[slot] = count
+    return digests
+
+
+def _balanced_groups(sizes: list[int], groups: int) -> list[list[int]]:
+    """Indices split into ``groups`` lists of about equal total size (largest first, to the lightest)."""
+    out: list[list[int]] = [[] for _ in range(groups)]
+    loads = [0] * groups
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        lightest = loads.index(min(loads))
+        out[lightest].append(index)
+        loads[lightest] += sizes[index]
+    return [group for group in out if group]
 
 
 SERIAL_HASH_BYTES = 16 << 20
@@ -144,6 +187,8 @@ def node_id() -> str:
 # -- shared memory --------------------------------------------------------------------------------------
 
 SHM_DIR = "/dev/shm"
+SLOT_HEADER_BYTES = 64  # int64s: [0] the version complete in this slot (-1 while written), [1 + g] tensors done by group g
+MAX_COPY_GROUPS = SLOT_HEADER_BYTES // 8 - 1
 
 
 @dataclass(frozen=True)
@@ -155,6 +200,7 @@ class SharedWeights:
     node_id: str
     metas: tuple[TensorMeta, ...]
     nbytes: int
+    groups: tuple[tuple[int, ...], ...] = ()  # indices into ``metas``, in the order each copy thread writes them
 
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -176,6 +222,9 @@ class SharedWeightWriter:
         self.pid = os.getpid()
         self._slots: dict[int, torch.Tensor] = {}
         self._layout: tuple[list, tuple[TensorMeta, ...], int] | None = None
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pending: Future | None = None
+        self._checksum: str | None = None
         self._remove_stale()
 
     def _remove_stale(self) -> None:
@@ -190,11 +239,16 @@ class SharedWeightWriter:
         """Room for both slots (with a margin) in ``/dev/shm`` (small in a default Docker container)."""
         return os.path.isdir(SHM_DIR) and shutil.disk_usage(SHM_DIR).free > 2 * nbytes + (64 << 20)
 
-    def write(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], node_id: str) -> SharedWeights:
+    def write(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], node_id: str,
+              background: bool = False) -> SharedWeights:
+        """Copy ``named_tensors`` into slot ``version % 2``, hashing them on the way (``wait()`` returns
+        their checksum, equal to ``weights_checksum`` of them). With ``background`` the copy runs on
+        threads and this returns at once: the tensors must not change until ``wait()`` returns."""
+        self.wait()
         tensors = list(named_tensors)
         key = [(name, tensor.dtype, tensor.shape) for name, tensor in tensors]
         if self._layout is None or self._layout[0] != key:  # the same tensors every sync: laid out once
-            metas, offset = [], 0
+            metas, offset = [], SLOT_HEADER_BYTES
             for name, tensor in tensors:
                 metas.append(_meta(name, tensor, offset))
                 offset += -(-metas[-1].nbytes // 64) * 64  # 64-byte aligned views
@@ -205,13 +259,49 @@ class SharedWeightWriter:
         if slot not in self._slots or self._slots[slot].numel() != offset:
             self._slots[slot] = _map(path, offset, create=True)
         buffer = self._slots[slot]
-        with torch.no_grad():
-            for meta, (_, tensor) in zip(metas, tensors):
-                buffer[meta.offset : meta.offset + meta.nbytes].copy_(_tensor_bytes(tensor))
-        return SharedWeights(version, path, node_id, metas, offset)
+        header = buffer[:SLOT_HEADER_BYTES].numpy().view(np.int64)
+        header[0], header[1:] = -1, 0
+        destination = buffer.numpy()
+        pairs = [(i, _tensor_bytes(tensor).numpy(), destination[meta.offset : meta.offset + meta.nbytes])
+                 for i, (meta, (_, tensor)) in enumerate(zip(metas, tensors))]
+        threads = 1 if offset < SERIAL_HASH_BYTES else min(MAX_COPY_GROUPS, max(1, torch.get_num_threads()))
+        groups = _balanced_groups([m.nbytes for m in metas], threads)
+
+        def copy() -> str:
+            helpers = [self._pool("copy", len(groups) - 1).submit(_copy_and_hash, [pairs[i] for i in group], header, 1 + g)
+                       for g, group in enumerate(groups[1:], 1)]
+            digests = dict(_copy_and_hash([pairs[i] for i in groups[0]], header, 1) if groups else [])
+            for helper in helpers:
+                digests.update(helper.result())
+            header[0] = version
+            return _combine_digests((name, tensor, digests[i]) for i, (name, tensor) in enumerate(tensors))
+
+        if background:
+            self._pending = self._pool("write", 1).submit(copy)
+        else:
+            self._checksum = copy()
+        return SharedWeights(version, path, node_id, metas, offset, tuple(tuple(group) for group in groups))
+
+    def _pool(self, kind: str, threads: int) -> ThreadPoolExecutor:
+        pool = self._pools.get(kind)
+        if pool is None or pool._max_workers != max(1, threads):
+            pool = self._pools[kind] = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"weights-{kind}")
+        return pool
+
+    def wait(self) -> str | None:
+        """Block until the last write has finished (re-raising its error); returns its checksum."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._checksum = pending.result()
+        return self._checksum
 
     def close(self) -> None:
-        self._slots.clear()
+        try:
+            self.wait()
+        finally:
+            self._slots.clear()
+            for pool in self._pools.values():
+                pool.shutdown()
         for slot in (0, 1):
             try:
                 os.unlink(os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}"))
@@ -225,19 +315,47 @@ class SharedWeightReader:
     def __init__(self) -> None:
         self._maps: dict[str, torch.Tensor] = {}
 
-    def load(self, model: torch.nn.Module, shared: SharedWeights) -> int:
-        """Make ``model``'s parameters views of ``shared`` (copies where dtype or device differ)."""
+    def load(self, model: torch.nn.Module, shared: SharedWeights, timeout_s: float = 60.0) -> str:
+        """Make ``model``'s parameters views of ``shared`` (copies where dtype or device differ) and return
+        their ``weights_checksum``. Views are hashed as soon as the writer's header shows their bytes
+        written, so hashing follows the copy; copies wait for the whole slot (``TimeoutError`` after
+        ``timeout_s``)."""
         buffer = self._maps.get(shared.path)
         if buffer is None or buffer.numel() != shared.nbytes:
             buffer = self._maps[shared.path] = _map(shared.path, shared.nbytes, create=False)
         params = dict(model.named_parameters())
         if {m.name for m in shared.metas} != set(params):
             raise ValueError(f"shared weights do not match the model: missing={sorted(set(params) - {m.name for m in shared.metas})}")
-        with torch.no_grad():
-            for name, view in unpack_bucket(Bucket(shared.metas, buffer.numpy())):
-                param = params[name]
-                if param.dtype == view.dtype and param.device.type == "cpu":
-                    param.data = view
-                else:
-                    param.copy_(view)
-        return len(shared.metas)
+        header, deadline = buffer[:SLOT_HEADER_BYTES].numpy().view(np.int64), time.monotonic() + timeout_s
+
+        def wait_for(slot: int, value: int) -> None:
+            while header[slot] < value if slot else header[0] != value:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"weights v{shared.version} in {shared.path} were not complete after "
+                                       f"{timeout_s:.0f} s (header {header.tolist()}: [0] -1 while being written)")
+                time.sleep(1e-4)
+
+        views = dict(unpack_bucket(Bucket(shared.metas, buffer.numpy())))
+        if not all(params[m.name].dtype == views[m.name].dtype and params[m.name].device.type == "cpu" for m in shared.metas):
+            wait_for(0, shared.version)
+            with torch.no_grad():
+                for name, view in views.items():
+                    params[name].copy_(view)
+            return weights_checksum(model)
+        for name, view in views.items():
+            params[name].data = view
+
+        def hash_group(g: int, group: tuple[int, ...]) -> list[tuple[int, bytes]]:
+            digests = []
+            for count, i in enumerate(group, 1):
+                wait_for(1 + g, count)
+                digests.append((i, xxhash.xxh3_128(memoryview(_tensor_bytes(params[shared.metas[i].name]).numpy())).digest()))
+            return digests
+
+        groups = shared.groups or (tuple(range(len(shared.metas))),)
+        helpers = [_hash_pool().submit(hash_group, g, group) for g, group in enumerate(groups[1:], 1)]
+        digests = dict(hash_group(0, groups[0]))
+        for helper in helpers:
+            digests.update(helper.result())
+        wait_for(0, shared.version)
+        return _combine_digests((m.name, params[m.name], digests[i]) for i, m in enumerate(shared.metas))

@@ -16,10 +16,10 @@ def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: i
 
     Engines on the trainer's node read them from shared memory (one copy); the others, or all when
     ``/dev/shm`` has no room, get byte buckets through Ray's object store. The trainer hashes its
-    weights while the engines load and hash theirs. Idempotent (the same weights and version again),
+    weights as it copies them; the engines wait for the copy, then hash what they hold. Idempotent (the same weights and version again),
     so one retry is allowed."""
     shared_ref = train_engine.export_shared.remote(version)
-    expected_ref = train_engine.weights_checksum.remote()
+    expected_ref = train_engine.exported_checksum.remote()
     received = ray.get([engine.update_weights_shared.remote(shared_ref) for engine in rollout_engines])
     unreached = [i for i, checksum in enumerate(received) if checksum is None]
     if unreached:

@@ -70,9 +70,9 @@ class HFInferenceEngine:
         if shared is None or shared.node_id != node_id() or not os.path.exists(shared.path):
             return None
         self._shared = self._shared or SharedWeightReader()
-        self._shared.load(self.model, shared)
+        checksum = self._shared.load(self.model, shared)
         self._version = shared.version
-        return weights_checksum(self.model)
+        return checksum
 
     def weights_version(self) -> int:
         return self._version

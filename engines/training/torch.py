@@ -124,6 +124,7 @@ class TorchTrainEngine:
 
     def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
         """One optimizer step over ``batch`` split into micro-batches; returns averaged metrics."""
+        self._export_done()
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -151,13 +152,20 @@ class TorchTrainEngine:
         return pack_buckets(self.model.named_parameters(), bucket_bytes)
 
     def export_shared(self, version: int) -> SharedWeights | None:
-        """Copy the weights into shared-memory slot ``version % 2``; None when ``/dev/shm`` has no room."""
+        """Start copying the weights into shared-memory slot ``version % 2`` and return where they go
+        (None when ``/dev/shm`` has no room). The copy finishes in the background, so the caller's round
+        trip to the receivers overlaps it; receivers wait for it, and so does every method here that
+        changes the weights."""
         named = list(self.model.named_parameters())
         if self._shared_writer is None:
             if not SharedWeightWriter.fits(sum(p.numel() * p.element_size() for _, p in named)):
                 return None
             self._shared_writer = SharedWeightWriter("weights")
-        return self._shared_writer.write(version, named, node_id())
+        return self._shared_writer.write(version, named, node_id(), background=True)
+
+    def _export_done(self) -> None:  # before anything that changes the weights
+        if self._shared_writer is not None:
+            self._shared_writer.wait()
 
     def close(self) -> None:
         """Remove the shared-memory weight slots (called before the actor is killed)."""
@@ -166,7 +174,15 @@ class TorchTrainEngine:
             self._shared_writer = None
 
     def weights_checksum(self) -> str:
+        self._export_done()
         return weights_checksum(self.model)
+
+    def exported_checksum(self) -> str:
+        """Checksum of the weights as ``export_shared`` copied them, hashed during the copy (waits for
+        it); the current weights' checksum when nothing went through shared memory."""
+        if self._shared_writer is None:
+            return weights_checksum(self.model)
+        return self._shared_writer.wait()
 
     def optimizer_steps(self) -> int:
         return int(self.scheduler.last_epoch)
@@ -191,6 +207,7 @@ class TorchTrainEngine:
         """Restore what ``save`` wrote; returns the loaded weights' checksum."""
         from safetensors.torch import load
 
+        self._export_done()
         with fsspec.open(f"{uri}/model.safetensors", "rb") as f:
             state = load(f.read())
         params = dict(self.model.named_parameters())

@@ -183,6 +183,7 @@ def test_shared_memory_sync_alternates_slots_and_cleans_up(tiny_model_dir):
     with torch.no_grad():
         next(trainer.model.parameters()).add_(1.0)
     shared_v2 = trainer.export_shared(2)  # written to the other slot: the rollout engine still serves v1
+    assert trainer.exported_checksum() == trainer.weights_checksum()  # hashed while copying
     assert rollout.weights_checksum() == checksum_v1 and rollout.weights_version() == 1
     assert rollout.update_weights_shared(shared_v2) == trainer.weights_checksum() != checksum_v1
     assert rollout.update_weights_shared(None) is None  # nothing shared: the caller sends buckets
@@ -225,3 +226,35 @@ def test_checksum_sees_a_single_flipped_bit(tiny_model_dir):
     with torch.no_grad():
         param.view(-1).view(torch.int32)[7] ^= 1
     assert weights_checksum(model) != before
+
+
+def test_background_copy_hashes_on_the_way_and_the_reader_hashes_behind_it():
+    """Above SERIAL_HASH_BYTES the copy splits into groups on threads; a reader started while the copy runs
+    returns the same checksum as hashing the source, and a bit changed in the slot shows in it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(5)])  # 20 MiB
+    target = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(5)])
+    writer = SharedWeightWriter("test-stream")
+    try:
+        shared = writer.write(1, source.named_parameters(), "local", background=True)
+        assert len(shared.groups) == 2 and sorted(i for g in shared.groups for i in g) == list(range(len(shared.metas)))
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(SharedWeightReader().load, target, shared).result()
+        assert received == writer.wait() == weights_checksum(source) == weights_checksum(target)
+        assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
+
+        shared = writer.write(2, source.named_parameters(), "local")
+        slot = writer._slots[0].numpy()
+        slot[shared.metas[3].offset + 5] ^= 1  # corrupted after the trainer hashed it
+        assert SharedWeightReader().load(target, shared) != writer.wait()
+
+        never = type(shared)(4, shared.path, "local", shared.metas, shared.nbytes, shared.groups)  # slot 0 holds v2
+        with pytest.raises(TimeoutError, match="were not complete"):
+            SharedWeightReader().load(target, never, timeout_s=0.05)
+    finally:
+        writer.close()
+        torch.set_num_threads(threads)
