@@ -189,6 +189,7 @@ def node_id() -> str:
 SHM_DIR = "/dev/shm"
 SLOT_HEADER_BYTES = 64  # int64s: [0] the version complete in this slot (-1 while written), [1 + g] tensors done by group g
 MAX_COPY_GROUPS = SLOT_HEADER_BYTES // 8 - 1
+ASSUMED_COPY_BYTES_PER_S = 4e9  # a copy thread's pace (it measures 5-7 GB/s): receivers sleep on it, not spin
 
 
 @dataclass(frozen=True)
@@ -328,12 +329,18 @@ class SharedWeightReader:
             raise ValueError(f"shared weights do not match the model: missing={sorted(set(params) - {m.name for m in shared.metas})}")
         header, deadline = buffer[:SLOT_HEADER_BYTES].numpy().view(np.int64), time.monotonic() + timeout_s
 
-        def wait_for(slot: int, value: int) -> None:
-            while header[slot] < value if slot else header[0] != value:
+        def wait_for(slot: int, value: int, group: tuple[int, ...] = ()) -> None:
+            """Until header[0] == value (the version), or header[slot] >= value (a group's count). Sleeps
+            about as long as the writer needs for the bytes still missing, so waiting costs little CPU."""
+            while True:
+                done = int(header[slot])
+                if (done == value) if slot == 0 else (done >= value):
+                    return
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weights v{shared.version} in {shared.path} were not complete after "
                                        f"{timeout_s:.0f} s (header {header.tolist()}: [0] -1 while being written)")
-                time.sleep(1e-4)
+                missing = sum(shared.metas[i].nbytes for i in group[max(done, 0) : value])
+                time.sleep(min(2e-3, max(5e-5, missing / ASSUMED_COPY_BYTES_PER_S)))
 
         views = dict(unpack_bucket(Bucket(shared.metas, buffer.numpy())))
         if not all(params[m.name].dtype == views[m.name].dtype and params[m.name].device.type == "cpu" for m in shared.metas):
@@ -348,7 +355,7 @@ class SharedWeightReader:
         def hash_group(g: int, group: tuple[int, ...]) -> list[tuple[int, bytes]]:
             digests = []
             for count, i in enumerate(group, 1):
-                wait_for(1 + g, count)
+                wait_for(1 + g, count, group)
                 digests.append((i, xxhash.xxh3_128(memoryview(_tensor_bytes(params[shared.metas[i].name]).numpy())).digest()))
             return digests
 

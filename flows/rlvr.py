@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import ray
 import torch
 from prefect import flow
+from prefect.utilities.annotations import quote  # large task arguments: Prefect need not walk them (no futures inside)
 
 from configs.schema import Config
 from flows.setup import final_dir, load_domains
@@ -194,7 +195,7 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, positions: dict
         drawn, positions = draw(domains, positions)
         chunks = build_chunks(cfg, engines, drawn, seed=(cfg.run.seed * 1_000_003 + step) * 101 + round_index)
         with timed(metrics, "time/generate_and_score"):
-            results = generate_and_score(engines.rollout, engines.reward_workers, chunks, cfg.reward.async_scoring)
+            results = generate_and_score(engines.rollout, engines.reward_workers, quote(chunks), cfg.reward.async_scoring)
         stats = [r[2] for r in results]
         if round_index == 0:
             metrics.update(summarize(stats))
@@ -239,7 +240,7 @@ def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[flo
     per_domain, samples, correct, total = {}, [], 0.0, 0
     for domain in domains:
         rows = domain.heldout_rows[: config.eval.num_prompts] if config.eval.num_prompts else domain.heldout_rows
-        accuracy, domain_samples = evaluate(engines.rollout, engines.reward_worker, rows, sampling,
+        accuracy, domain_samples = evaluate(engines.rollout, engines.reward_worker, quote(rows), sampling,
                                             score_spec(config, domain, engines))
         per_domain[domain.name] = accuracy
         samples += domain_samples
@@ -293,7 +294,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
             metrics = scored.metrics
             with timed(metrics, "time/advantages"):
                 batch_ref, advantage_metrics, moments = compute_advantages(
-                    engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, scored.group_ids, advantage_spec,
+                    engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, quote(scored.group_ids), advantage_spec,
                     reference=engines.reference, trainer=old_logprob_engine, critic=engines.critic,
                     kl_coef=state["kl_coef"], moments=RunningMoments(**state["reward_moments"]))
             metrics.update(advantage_metrics)
