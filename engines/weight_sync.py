@@ -316,17 +316,18 @@ class SharedWeightReader:
     def __init__(self) -> None:
         self._maps: dict[str, torch.Tensor] = {}
 
-    def load(self, model: torch.nn.Module, shared: SharedWeights, timeout_s: float = 60.0) -> str:
+    def load(self, model: torch.nn.Module, shared: SharedWeights, timeout_s: float | None = None) -> str:
         """Make ``model``'s parameters views of ``shared`` (copies where dtype or device differ) and return
         their ``weights_checksum``. Views are hashed as soon as the writer's header shows their bytes
-        written, so hashing follows the copy; copies wait for the whole slot (``TimeoutError`` after
-        ``timeout_s``)."""
+        written, so hashing follows the copy; copies wait for the whole slot. ``TimeoutError`` after
+        ``timeout_s`` (default: 10 s plus a second per GB, for a writer that died or failed)."""
         buffer = self._maps.get(shared.path)
         if buffer is None or buffer.numel() != shared.nbytes:
             buffer = self._maps[shared.path] = _map(shared.path, shared.nbytes, create=False)
         params = dict(model.named_parameters())
         if {m.name for m in shared.metas} != set(params):
             raise ValueError(f"shared weights do not match the model: missing={sorted(set(params) - {m.name for m in shared.metas})}")
+        timeout_s = 10.0 + shared.nbytes / 1e9 if timeout_s is None else timeout_s
         header, deadline = buffer[:SLOT_HEADER_BYTES].numpy().view(np.int64), time.monotonic() + timeout_s
 
         def wait_for(slot: int, value: int, group: tuple[int, ...] = ()) -> None:

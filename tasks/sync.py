@@ -15,19 +15,20 @@ def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: i
     """Push the trainer's weights to every rollout engine and verify them by checksum.
 
     Engines on the trainer's node read them from shared memory (one copy); the others, or all when
-    ``/dev/shm`` has no room, get byte buckets through Ray's object store. The trainer hashes its
-    weights as it copies them; the engines wait for the copy, then hash what they hold. Idempotent (the same weights and version again),
-    so one retry is allowed."""
+    ``/dev/shm`` has no room, get byte buckets through Ray's object store. The trainer copies in the
+    background, hashing as it copies; engines hash each tensor once it is written. Idempotent (the
+    same weights and version again), so one retry is allowed."""
     shared_ref = train_engine.export_shared.remote(version)
     expected_ref = train_engine.exported_checksum.remote()
-    received = ray.get([engine.update_weights_shared.remote(shared_ref) for engine in rollout_engines])
+    received_refs = [engine.update_weights_shared.remote(shared_ref) for engine in rollout_engines]
+    expected = ray.get(expected_ref)  # first: a copy that failed raises here, not after the engines time out
+    received = ray.get(received_refs)
     unreached = [i for i, checksum in enumerate(received) if checksum is None]
     if unreached:
         buckets_ref = train_engine.export_weights.remote(bucket_mb << 20)
         checksums = ray.get([rollout_engines[i].update_weights.remote(version, buckets_ref) for i in unreached])
         for i, checksum in zip(unreached, checksums):
             received[i] = checksum
-    expected = ray.get(expected_ref)
     bad = [i for i, checksum in enumerate(received) if checksum != expected]
     if bad:
         raise WeightSyncError(f"weight sync v{version}: rollout engines {bad} hold other weights than the trainer")

@@ -258,3 +258,25 @@ def test_background_copy_hashes_on_the_way_and_the_reader_hashes_behind_it():
     finally:
         writer.close()
         torch.set_num_threads(threads)
+
+
+def test_a_failed_background_copy_surfaces_on_the_trainer_and_times_out_the_reader(tiny_model_dir, monkeypatch):
+    import engines.weight_sync as weight_sync
+
+    trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-2), micro_batch_size=4)
+    rollout = HFInferenceEngine(tiny_model_dir)
+
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device")  # e.g. /dev/shm filled up while copying
+
+    monkeypatch.setattr(weight_sync, "_copy_and_hash", broken)
+    shared = trainer.export_shared(1)  # returns before the copy runs
+    with pytest.raises(TimeoutError, match="were not complete"):
+        rollout._shared = SharedWeightReader()
+        rollout._shared.load(rollout.model, shared, timeout_s=0.2)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.exported_checksum()
+    monkeypatch.undo()
+    shared = trainer.export_shared(2)  # the next sync works again
+    assert rollout.update_weights_shared(shared) == trainer.exported_checksum() == trainer.weights_checksum()
+    trainer.close()
