@@ -119,10 +119,15 @@ def weights_checksum(model: torch.nn.Module) -> str:
     in place (no copy) and hashed on ``torch.get_num_threads()`` threads (xxhash releases the GIL), or
     on this one below ``SERIAL_HASH_BYTES``, where handing tensors to threads costs more than hashing."""
     named = list(model.named_parameters())
-    views = [memoryview(_tensor_bytes(param.detach().cpu()).numpy()) for _, param in named]
-    mapper = map if sum(view.nbytes for view in views) < SERIAL_HASH_BYTES else _hash_pool().map
-    digests = mapper(lambda view: xxhash.xxh3_128(view).digest(), views)
+    nbytes = sum(param.numel() * param.element_size() for _, param in named)
+    mapper = map if nbytes < SERIAL_HASH_BYTES else _hash_pool().map
+    digests = mapper(_tensor_digest, [param for _, param in named])
     return _combine_digests((name, param, digest) for (name, param), digest in zip(named, digests))
+
+
+def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    """XXH3-128 of a tensor's bytes, read in place."""
+    return xxhash.xxh3_128(memoryview(_tensor_bytes(tensor.detach().cpu()).numpy())).digest()
 
 
 def _combine_digests(entries: Iterable[tuple[str, torch.Tensor, bytes]]) -> str:
@@ -136,8 +141,7 @@ def _combine_digests(entries: Iterable[tuple[str, torch.Tensor, bytes]]) -> str:
 COPY_CHUNK_BYTES = 512 << 10  # small enough to be hashed from cache right after it is copied
 
 
-def _copy_and_hash(pairs: list[tuple[int, np.ndarray, np.ndarray]], done: np.ndarray | None = None,
-                   slot: int = 0) -> list[tuple[int, bytes]]:
+def _copy_and_hash(pairs: list[tuple[int, np.ndarray, np.ndarray]], done: np.ndarray, slot: int) -> list[tuple[int, bytes]]:
     """Copy each ``(index, source, destination)`` byte array chunk by chunk; returns each source's XXH3-128
     digest, hashed chunk after chunk while the chunk is in cache (numpy and xxhash release the GIL).
     ``done[slot]`` counts the finished arrays (x86 keeps stores in order; elsewhere checksums catch it)."""
@@ -149,8 +153,7 @@ def _copy_and_hash(pairs: list[tuple[int, np.ndarray, np.ndarray]], done: np.nda
             np.copyto(destination[start : start + COPY_CHUNK_BYTES], chunk)
             digest.update(chunk)
         digests.append((index, digest.digest()))
-        if done is not None:
-            done[slot] = count
+        done[slot] = count
     return digests
 
 
@@ -357,7 +360,7 @@ class SharedWeightReader:
             digests = []
             for count, i in enumerate(group, 1):
                 wait_for(1 + g, count, group)
-                digests.append((i, xxhash.xxh3_128(memoryview(_tensor_bytes(params[shared.metas[i].name]).numpy())).digest()))
+                digests.append((i, _tensor_digest(params[shared.metas[i].name])))
             return digests
 
         groups = shared.groups or (tuple(range(len(shared.metas))),)
