@@ -333,9 +333,16 @@ class SharedWeightReader:
         timeout_s = 10.0 + shared.nbytes / 1e9 if timeout_s is None else timeout_s
         header, deadline = buffer[:SLOT_HEADER_BYTES].numpy().view(np.int64), time.monotonic() + timeout_s
 
-        def wait_for(slot: int, value: int, group: tuple[int, ...] = ()) -> None:
-            """Until header[0] == value (the version), or header[slot] >= value (a group's count). Sleeps
-            about as long as the writer needs for the bytes still missing, so waiting costs little CPU."""
+        groups = shared.groups or (tuple(range(len(shared.metas))),)
+
+        def missing_bytes(g: int, upto: int | None = None) -> int:
+            """Bytes of group ``g``'s first ``upto`` tensors (all by default) the writer has not finished."""
+            return sum(shared.metas[i].nbytes for i in groups[g][max(int(header[1 + g]), 0) : upto])
+
+        def wait_for(slot: int, value: int) -> None:
+            """Until header[0] == value (the version), or header[slot] >= value (group slot - 1's count).
+            Sleeps about as long as the writer needs for the bytes still missing (of that group, or of the
+            slowest group), so waiting costs little CPU and wakes the writer's threads seldom."""
             while True:
                 done = int(header[slot])
                 if (done == value) if slot == 0 else (done >= value):
@@ -343,7 +350,7 @@ class SharedWeightReader:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weights v{shared.version} in {shared.path} were not complete after "
                                        f"{timeout_s:.0f} s (header {header.tolist()}: [0] -1 while being written)")
-                missing = sum(shared.metas[i].nbytes for i in group[max(done, 0) : value])
+                missing = max(map(missing_bytes, range(len(groups)))) if slot == 0 else missing_bytes(slot - 1, value)
                 time.sleep(min(2e-3, max(5e-5, missing / ASSUMED_COPY_BYTES_PER_S)))
 
         views = dict(unpack_bucket(Bucket(shared.metas, buffer.numpy())))
@@ -359,11 +366,10 @@ class SharedWeightReader:
         def hash_group(g: int, group: tuple[int, ...]) -> list[tuple[int, bytes]]:
             digests = []
             for count, i in enumerate(group, 1):
-                wait_for(1 + g, count, group)
+                wait_for(1 + g, count)
                 digests.append((i, _tensor_digest(params[shared.metas[i].name])))
             return digests
 
-        groups = shared.groups or (tuple(range(len(shared.metas))),)
         helpers = [_hash_pool().submit(hash_group, g, group) for g, group in enumerate(groups[1:], 1)]
         digests = dict(hash_group(0, groups[0]))
         for helper in helpers:
