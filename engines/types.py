@@ -80,19 +80,22 @@ class TrainBatch:
 
 
 def build_train_batch(rollouts: Rollouts, pad_token_id: int) -> TrainBatch:
-    """Join each prompt with its response into a left-aligned, right-padded TrainBatch."""
-    rows = len(rollouts.prompt_ids)
-    lengths = [len(p) + int(r) for p, r in zip(rollouts.prompt_ids, rollouts.response_lengths)]
-    width = max(lengths)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    response_mask = torch.zeros((rows, width), dtype=torch.float32)
-    old_logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    for i, prompt in enumerate(rollouts.prompt_ids):
-        p, r = len(prompt), int(rollouts.response_lengths[i])
-        input_ids[i, :p] = torch.tensor(prompt, dtype=torch.long)
-        input_ids[i, p : p + r] = rollouts.response_ids[i, :r]
-        attention_mask[i, : p + r] = 1
-        response_mask[i, p : p + r] = 1.0
-        old_logprobs[i, p : p + r] = rollouts.logprobs[i, :r]
-    return TrainBatch(input_ids, attention_mask, response_mask, {"rollout_logprobs": old_logprobs})
+    """Join each prompt with its response into a left-aligned, right-padded TrainBatch.
+
+    Vectorized: boolean masks pick, row after row, the prompt slots ``[0, p_i)`` and the response slots
+    ``[p_i, p_i + r_i)``; filling them in row-major order places each row's tokens in order."""
+    prompt_lengths = torch.tensor([len(p) for p in rollouts.prompt_ids], dtype=torch.long)
+    response_lengths = rollouts.response_lengths.long()
+    lengths = prompt_lengths + response_lengths
+    width = int(lengths.max()) if len(lengths) else 0
+    columns = torch.arange(width)
+    attention_mask = (columns < lengths[:, None]).long()  # [B, L]
+    is_prompt = columns < prompt_lengths[:, None]
+    is_response = attention_mask.bool() & ~is_prompt
+    is_sampled = torch.arange(rollouts.response_ids.shape[1]) < response_lengths[:, None]  # [B, T]
+    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
+    input_ids[is_prompt] = torch.tensor([t for prompt in rollouts.prompt_ids for t in prompt], dtype=torch.long)
+    input_ids[is_response] = rollouts.response_ids[is_sampled].long()
+    old_logprobs = torch.zeros((len(lengths), width), dtype=torch.float32)
+    old_logprobs[is_response] = rollouts.logprobs[is_sampled].float()
+    return TrainBatch(input_ids, attention_mask, is_response.float(), {"rollout_logprobs": old_logprobs})

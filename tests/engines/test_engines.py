@@ -60,6 +60,22 @@ def test_trainer_logprobs_match_rollout_logprobs_after_sync(tiny_model_dir, temp
     assert diff.abs().max() < 1e-4
 
 
+def test_build_train_batch_layout():
+    """Each row: its prompt at [0, p), its first r sampled tokens (and their logprobs) at [p, p + r), pads after."""
+    from engines.types import Rollouts
+
+    rollouts = Rollouts(prompt_ids=[[5, 6, 7], [8], []], response_ids=torch.tensor([[11, 12, 0], [13, 14, 15], [16, 0, 0]]),
+                        logprobs=-torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.4, 0.5], [0.6, 0.0, 0.0]]),
+                        response_lengths=torch.tensor([2, 3, 1]), finish_reasons=["stop", "length", "stop"],
+                        completions=["", "", ""], weights_version=0)
+    batch = build_train_batch(rollouts, pad_token_id=9)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 11, 12], [8, 13, 14, 15, 9], [16, 9, 9, 9, 9]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    expected = -torch.tensor([[0, 0, 0, 0.1, 0.2], [0, 0.3, 0.4, 0.5, 0], [0.6, 0, 0, 0, 0]])
+    assert torch.allclose(batch.tensors["rollout_logprobs"], expected)
+
+
 def test_bucketing_round_trip_and_checksum(tiny_model_dir):
     trainer = TorchTrainEngine(tiny_model_dir, OptimSpec())
     params = dict(trainer.model.named_parameters())
