@@ -245,7 +245,7 @@ def train_packing() -> dict:
 
 
 # -- 6 ----------------------------------------------------------------------------------------------------------
-SYNC_REPEATS = 12
+SYNC_REPEATS = 20
 
 
 def weight_sync() -> dict:
@@ -264,19 +264,17 @@ def weight_sync() -> dict:
     source, target = load_model(model), load_model(model)
     pairs = [(dst, src) for (_, dst), (_, src) in zip(target.named_parameters(), source.named_parameters())]
     nbytes = sum(p.numel() * p.element_size() for _, p in pairs)
-    raw = []
-    for _ in range(SYNC_REPEATS):
+    ensure_ray()
+    common = dict(run_name="bench-sync", model_path=model, torch_threads=2)
+    trainer = start_engine("train/torch", role="trainer", optim=OptimSpec(), reuse=False, **common)
+    rollout = start_engine("rollout/hf", role="rollout", **common)
+    raw, synced, bucketed = [], [], []
+    for version in range(1, SYNC_REPEATS + 1):  # baseline and sync alternate: both see the same machine state
         start = time.perf_counter()
         with torch.no_grad():
             for dst, src in pairs:
                 dst.copy_(src)
         raw.append(time.perf_counter() - start)
-    ensure_ray()
-    common = dict(run_name="bench-sync", model_path=model, torch_threads=2)
-    trainer = start_engine("train/torch", role="trainer", optim=OptimSpec(), reuse=False, **common)
-    rollout = start_engine("rollout/hf", role="rollout", **common)
-    synced, bucketed = [], []
-    for version in range(1, SYNC_REPEATS + 1):
         start = time.perf_counter()
         checksum = sync_weights.fn(trainer, [rollout], version, 64)
         synced.append(time.perf_counter() - start)
