@@ -105,6 +105,11 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
         return {"mismatch/k3": _token_mean(k3, mask), "mismatch/max_abs_logprob_diff": float((log_ratio.abs() * mask).max())}
 
 
+# Losses of the form ``A[i, t] · f(π)[i, t]``: a row whose advantages are all 0 adds exactly 0 to the loss
+# and to its gradient, so the train step may skip it (tests/algorithms check every name listed here).
+ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "topr"})
+
+
 @register("ppo_clip")
 def ppo_clip(
     *,

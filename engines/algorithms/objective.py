@@ -68,6 +68,23 @@ class PolicyObjective:
     def micro_weight(self, micro: TrainBatch, full: TrainBatch) -> float:
         return micro_weight(self.agg, micro, full)
 
+    def rows_with_gradient(self, batch: TrainBatch) -> torch.Tensor | None:
+        """Indices of the rows that can move the weights, or None for all of them.
+
+        Without a KL or entropy term and with a loss in ``losses.ZERO_AT_ZERO_ADVANTAGE``, a row whose
+        advantages are 0 on every response token (a GRPO group whose rewards are all equal) contributes
+        exactly 0 to the loss and its gradient. Skipping its forward and backward, while each micro-batch
+        keeps its weight relative to the full batch (``micro_weight``), leaves the gradient unchanged.
+        At least one row stays, so every parameter still gets a (zero) gradient and the optimizer steps
+        as it would have (AdamW's moments and weight decay)."""
+        if self.kl_coef or self.entropy_coef or self.policy_loss not in losses.ZERO_AT_ZERO_ADVANTAGE:
+            return None
+        moving = ((batch.tensors["advantages"] != 0) & (batch.response_mask > 0)).any(-1)  # [B]
+        if bool(moving.all()):
+            return None
+        rows = moving.nonzero().squeeze(-1)
+        return rows if len(rows) else torch.zeros(1, dtype=torch.long)
+
 
 @dataclass(frozen=True)
 class ValueObjective:

@@ -123,18 +123,30 @@ class TorchTrainEngine:
         return {"logprobs": logprobs, "entropy": entropy}
 
     def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
-        """One optimizer step over ``batch`` split into micro-batches; returns averaged metrics."""
+        """One optimizer step over ``batch`` split into micro-batches; returns averaged metrics.
+
+        Rows the objective shows to have no gradient (``rows_with_gradient``: zero-advantage rows) are
+        not computed; the loss and the gradient stay those of the full batch, and the other metrics
+        (clip fraction, entropy, ...) are means over the rows computed."""
         self._export_done()
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        rows = getattr(loss_fn, "rows_with_gradient", lambda _: None)(batch)
+        computed = batch if rows is None else batch.select(rows)
         totals: dict[str, float] = {}
-        for micro in batch.micro_batches(self.micro_batch_size):
-            weight = loss_fn.micro_weight(micro, batch)
+        weights = 0.0
+        for micro in computed.micro_batches(self.micro_batch_size):
+            weight = loss_fn.micro_weight(micro, batch)  # the share of the full batch: skipped rows add 0
             loss, metrics = loss_fn(**self._forward(micro), batch=micro)
             (loss * weight).backward()
-            for key, value in {**metrics, "train/loss": float(loss.detach())}.items():
+            weights += weight
+            for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + weight * value
+            totals["train/loss"] = totals.get("train/loss", 0.0) + weight * float(loss.detach())
+        exact = {"train/loss", "actor/pg_loss"}  # sums over the full batch as they are
+        totals = {k: v if k in exact or not weights else v / weights for k, v in totals.items()}
+        totals["train/skipped_rows"] = float(len(batch) - len(computed))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_spec.grad_clip)
         totals["train/lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()

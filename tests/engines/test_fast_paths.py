@@ -280,3 +280,47 @@ def test_a_failed_background_copy_surfaces_on_the_trainer_and_times_out_the_read
     shared = trainer.export_shared(2)  # the next sync works again
     assert rollout.update_weights_shared(shared) == trainer.exported_checksum() == trainer.weights_checksum()
     trainer.close()
+
+
+class _EveryRow:
+    """``PolicyObjective`` without row skipping: the reference."""
+
+    def __init__(self, objective):
+        self.objective = objective
+
+    def __call__(self, **kwargs):
+        return self.objective(**kwargs)
+
+    def micro_weight(self, micro, full):
+        return self.objective.micro_weight(micro, full)
+
+
+@pytest.mark.parametrize("agg, zero_groups", [("token-mean", (0, 2)), ("seq-mean-token-mean", (1,)),
+                                               ("token-mean", (0, 1, 2))])
+def test_zero_advantage_rows_are_skipped_with_the_same_loss_and_gradient(tiny_model_dir, agg, zero_groups):
+    """GRPO groups whose advantages are all 0 are not computed; loss and gradient equal the full batch's
+    (all groups zero: one row is still computed, so the optimizer steps with zero gradients)."""
+    from engines.algorithms.objective import PolicyObjective
+    from engines.types import build_train_batch
+
+    rollout = HFInferenceEngine(tiny_model_dir)
+    out = rollout.generate([p for p in PROMPTS[:3] for _ in range(4)], SamplingParams(max_new_tokens=5, temperature=1.0, seed=2))
+    batch = build_train_batch(out, rollout.tokenizer.pad_token_id)
+    advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(0))
+    for group in zero_groups:
+        advantages[4 * group : 4 * group + 4] = 0.0
+    batch = batch.with_tensors(advantages=advantages[:, None] * batch.response_mask,
+                               old_logprobs=batch.tensors["rollout_logprobs"] - 0.05 * batch.response_mask)
+    objective = PolicyObjective(agg=agg)
+    engines = [TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-3), micro_batch_size=3) for _ in range(2)]
+    skipped = engines[0].train_step(batch, objective)
+    every = engines[1].train_step(batch, _EveryRow(objective))
+    assert skipped["train/skipped_rows"] == (4 * len(zero_groups) - (len(zero_groups) == 3)) and every["train/skipped_rows"] == 0
+    assert skipped["train/loss"] == pytest.approx(every["train/loss"], abs=1e-7)
+    assert skipped["train/grad_norm"] == pytest.approx(every["train/grad_norm"], rel=1e-5, abs=1e-9)
+    if len(zero_groups) == 3:
+        assert skipped["train/grad_norm"] == 0.0
+    for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
+        assert a.grad is not None and (a.grad - b.grad).abs().max() < 1e-6, name
+    # with an entropy bonus a zero-advantage row has a gradient: nothing is skipped
+    assert engines[0].train_step(batch, PolicyObjective(agg=agg, entropy_coef=0.01))["train/skipped_rows"] == 0

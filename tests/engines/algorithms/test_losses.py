@@ -634,3 +634,17 @@ def test_value_loss_matches_loop_reference(clip_range):
     assert metrics["critic/vf_clipfrac"] == pytest.approx(clipped / count, rel=1e-12)
     assert metrics["critic/vpred_mean"] == pytest.approx(sum(preds) / count, rel=1e-12)
     assert metrics["critic/explained_variance"] == pytest.approx(1 - var(residual) / var(targets), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(losses.ZERO_AT_ZERO_ADVANTAGE))
+def test_losses_listed_as_zero_at_zero_advantage_are(name):
+    """The train step skips zero-advantage rows for these losses: their token loss and gradient must be 0."""
+    gen = torch.Generator().manual_seed(0)
+    logprobs = (-torch.rand(4, 6, generator=gen)).requires_grad_()
+    old = -torch.rand(4, 6, generator=gen)
+    mask = (torch.rand(4, 6, generator=gen) > 0.2).float()
+    token_losses, _ = losses.POLICY_LOSSES.get(name)(logprobs=logprobs, old_logprobs=old,
+                                                     advantages=torch.zeros(4, 6), response_mask=mask)
+    (grad,) = torch.autograd.grad((token_losses * mask).sum(), logprobs, allow_unused=True)
+    assert float((token_losses * mask).detach().abs().max()) == 0.0
+    assert grad is None or float(grad.abs().max()) == 0.0
