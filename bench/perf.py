@@ -130,7 +130,7 @@ def _sft_checkpoint(out_dir: str) -> str:
 
 def time_to_accuracy_vs_trl() -> dict:
     sft = _sft_checkpoint(scratch_dir("sft"))
-    steps, every = 120, 10
+    steps, every = 120, 2  # held-out accuracy every 2 steps on both sides: the crossing to a step or two
     trl = _trl(sft, steps, 6, lr=2e-4, prompts_per_step=16, data="quickstart", eval_every=every, target=TARGET_ACCURACY)
     flow = _flow("configs/quickstart.yaml", ["model.source=hf", f"model.path={sft}", "sft=null", f"train.steps={steps}",
                                              f"eval.every={every}"])

@@ -1,5 +1,9 @@
 """MLflow tracking for the flow process: one run per training run, metrics in batches, no duplicates.
 
+Batches due by time are sent on a background thread (a sqlite ``log_batch`` of a few hundred metrics
+takes ~100 ms, which would otherwise stall a training step); ``flush`` sends synchronously and is
+called before every checkpoint, so a checkpoint never claims steps whose metrics are not stored.
+
 Each metric stream ("sft", "rl") has a marker key ``progress/<stream>_step`` logged last in every batch.
 After a resume, steps at or below the marker's last value were already logged and are skipped, so
 re-running the steps between the last checkpoint and a crash leaves exactly one value per step.
@@ -10,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -62,6 +67,8 @@ class RunTracker:
         self._last_step: dict[str, int] = {}
         self._pending: list[Metric] = []
         self._flushed_at = time.monotonic()
+        self._sender: ThreadPoolExecutor | None = None
+        self._sending: tuple[Future, list[Metric]] | None = None
 
     @classmethod
     def create(cls, uri: str, experiment: str, run_name: str, params: dict[str, str], config_yaml: str,
@@ -114,16 +121,57 @@ class RunTracker:
             raise
 
     def flush_if_due(self, every_s: float) -> None:
-        """``flush`` when the last one was ``every_s`` seconds ago or more."""
-        if self._pending and time.monotonic() - self._flushed_at >= every_s:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send queued metrics in as few ``log_batch`` calls as MLflow allows."""
+        """Send the queue on a background thread when the last send was ``every_s`` seconds ago or more
+        (and the previous background send has finished); its error, if any, is raised here or by ``flush``."""
+        if not self._pending or time.monotonic() - self._flushed_at < every_s:
+            return
+        if self._sending is not None and not self._sending[0].done():
+            return  # still sending: this queue goes with the next one
+        self._collect_sent()
         self._flushed_at = time.monotonic()
         pending, self._pending = self._pending, []
-        for start in range(0, len(pending), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=pending[start : start + MAX_BATCH])
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix="mlflow-metrics")
+        self._sending = (self._sender.submit(self._send, pending), pending)
+
+    def flush(self) -> None:
+        """Send queued metrics, in as few ``log_batch`` calls as MLflow allows, and return once they
+        (and any background send) are stored."""
+        self._collect_sent()
+        self._stop_sender()
+        self._flushed_at = time.monotonic()
+        pending, self._pending = self._pending, []
+        try:
+            self._send(pending)
+        except BaseException:
+            self._pending = pending + self._pending  # kept for the next flush
+            raise
+
+    def _collect_sent(self) -> None:
+        """Wait for the background send; if it failed, its metrics go back to the queue's front and its
+        error is raised."""
+        sending, self._sending = self._sending, None
+        if sending is None:
+            return
+        future, metrics = sending
+        try:
+            future.result()
+        except BaseException:
+            self._pending = metrics + self._pending
+            raise
+
+    def _stop_sender(self) -> None:
+        """The background thread ends (idle: its last send was collected); the next due send starts one."""
+        if self._sender is not None:
+            self._sender.shutdown(wait=False)
+            self._sender = None
+
+    def _send(self, metrics: list[Metric]) -> None:
+        """``log_batch`` ``metrics`` in order, removing each batch once stored: after an error the list
+        holds exactly the unsent ones."""
+        while metrics:
+            self.client.log_batch(self.run_id, metrics=metrics[:MAX_BATCH])
+            del metrics[:MAX_BATCH]
 
     def log_samples(self, name: str, rows: list[dict]) -> None:
         if rows:
@@ -152,4 +200,8 @@ class RunTracker:
         return int(version.version)  # a str from a tracking server, an int from a local store
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        try:
+            self._collect_sent()
+        finally:
+            self._stop_sender()
+            self.client.set_terminated(self.run_id, status=status)

@@ -59,7 +59,8 @@ def test_metrics_wait_for_their_flush_interval_and_are_sent_on_error(tmp_path):
     tracker.log_step("rl", 1, {"reward/mean": 0.1}, flush=False)
     tracker.flush_if_due(3600)  # not due: still queued
     assert tracker.client.get_metric_history(tracker.run_id, "reward/mean") == []
-    tracker.flush_if_due(0)
+    tracker.flush_if_due(0)  # due: sent on the background thread
+    tracker._sending[0].result(timeout=30)
     assert [m.step for m in tracker.client.get_metric_history(tracker.run_id, "reward/mean")] == [1]
     try:
         with tracker.sent_on_error():
@@ -75,3 +76,32 @@ def test_artifacts_live_beside_a_local_sqlite_store(tmp_path):
     artifact_uri = tracker.client.get_run(tracker.run_id).info.artifact_uri
     assert artifact_uri.startswith(str(tmp_path / "db" / "mlartifacts"))
     assert (tmp_path / "db" / "mlartifacts").is_dir()  # config.yaml landed there, not in ./mlruns
+
+
+def test_a_failed_background_send_loses_and_duplicates_nothing(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = RunTracker.create(uri, "exp", "run-e", {}, "")
+    monkeypatch.setattr("tasks.tracking.MAX_BATCH", 4)  # 3 batches for 2 steps of 5 entries each
+    real_log_batch, calls = tracker.client.log_batch, []
+
+    def log_batch_failing_second(run_id, metrics):
+        calls.append(len(metrics))
+        if len(calls) == 2:
+            raise ConnectionError("tracking store went away")
+        return real_log_batch(run_id, metrics=metrics)
+
+    monkeypatch.setattr(tracker.client, "log_batch", log_batch_failing_second)
+    for step in (1, 2):
+        tracker.log_step("rl", step, {"a": step, "b": step, "c": step, "d": step}, flush=False)
+    tracker.flush_if_due(0)
+    tracker.log_step("rl", 3, {"a": 3, "b": 3, "c": 3, "d": 3}, flush=False)
+    try:
+        tracker.flush()  # the background send's error surfaces here; its unsent metrics are queued again
+        raise AssertionError("the background error was swallowed")
+    except ConnectionError:
+        pass
+    tracker.flush()
+    for key in ("a", "d", "progress/rl_step"):
+        history = tracker.client.get_metric_history(tracker.run_id, key)
+        assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (3, 3.0)], key
+    assert tracker._sender is None  # flush leaves no idle thread behind
