@@ -193,9 +193,11 @@ class RewardWorker:
     def score(self, rollouts: Rollouts, prompts: list[str], columns: dict[str, list], spec: ScoreSpec):
         return score_rollouts(rollouts, prompts, columns, spec)
 
-    def advantage_batch(self, rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor,
+    def advantage_batch(self, rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor | list[int],
                         spec: AdvantageSpec, **kwargs):
-        return advantage_batch(rollouts, rewards, group_ids, spec, **kwargs)
+        """``group_ids`` may come as a list: a list of ints pickles in microseconds, a tensor argument in
+        about 0.3 ms of the caller's time."""
+        return advantage_batch(rollouts, rewards, torch.as_tensor(group_ids), spec, **kwargs)
 
     def concat(self, rows: list[list[int]], *parts: Rollouts) -> Rollouts:
         return concat_rollouts(list(parts), rows)

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import ray
-import torch
 from prefect import task
 
 from engines.algorithms.shaping import RunningMoments
@@ -25,7 +24,7 @@ def compute_advantages(reward_worker, rollouts_ref, rewards_ref, group_ids: list
     if critic is not None:
         scored["values"] = critic.rollout_values.remote(rollouts_ref)
     batch_ref, summary_ref, moments_ref = reward_worker.advantage_batch.options(num_returns=3).remote(
-        rollouts_ref, rewards_ref, torch.tensor(group_ids), spec, kl_coef=kl_coef, moments=moments, **scored
+        rollouts_ref, rewards_ref, list(group_ids), spec, kl_coef=kl_coef, moments=moments, **scored
     )
     summary, moments = ray.get([summary_ref, moments_ref])
     return batch_ref, summary, moments
