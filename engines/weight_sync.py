@@ -318,6 +318,8 @@ class SharedWeightReader:
 
     def __init__(self) -> None:
         self._maps: dict[str, torch.Tensor] = {}
+        # per slot: the layout last read from it, its tensor views and their bytes (numpy slices to hash)
+        self._views: dict[str, tuple[tuple[TensorMeta, ...], dict[str, torch.Tensor], list[np.ndarray]]] = {}
 
     def load(self, model: torch.nn.Module, shared: SharedWeights, timeout_s: float | None = None) -> str:
         """Make ``model``'s parameters views of ``shared`` (copies where dtype or device differ) and return
@@ -327,6 +329,7 @@ class SharedWeightReader:
         buffer = self._maps.get(shared.path)
         if buffer is None or buffer.numel() != shared.nbytes:
             buffer = self._maps[shared.path] = _map(shared.path, shared.nbytes, create=False)
+            self._views.pop(shared.path, None)
         params = dict(model.named_parameters())
         if {m.name for m in shared.metas} != set(params):
             raise ValueError(f"shared weights do not match the model: missing={sorted(set(params) - {m.name for m in shared.metas})}")
@@ -353,7 +356,12 @@ class SharedWeightReader:
                 missing = max(map(missing_bytes, range(len(groups)))) if slot == 0 else missing_bytes(slot - 1, value)
                 time.sleep(min(2e-3, max(5e-5, missing / ASSUMED_COPY_BYTES_PER_S)))
 
-        views = dict(unpack_bucket(Bucket(shared.metas, buffer.numpy())))
+        cached = self._views.get(shared.path)
+        if cached is None or cached[0] != shared.metas:  # the same layout every sync: views made once per slot
+            data = buffer.numpy()
+            cached = self._views[shared.path] = (shared.metas, dict(unpack_bucket(Bucket(shared.metas, data))),
+                                                 [data[m.offset : m.offset + m.nbytes] for m in shared.metas])
+        _, views, spans = cached
         if not all(params[m.name].dtype == views[m.name].dtype and params[m.name].device.type == "cpu" for m in shared.metas):
             wait_for(0, shared.version)
             with torch.no_grad():
@@ -367,7 +375,7 @@ class SharedWeightReader:
             digests = []
             for count, i in enumerate(group, 1):
                 wait_for(1 + g, count)
-                digests.append((i, _tensor_digest(params[shared.metas[i].name])))
+                digests.append((i, xxhash.xxh3_128(spans[i]).digest()))  # the parameter's bytes: it is a view of them
             return digests
 
         helpers = [_hash_pool().submit(hash_group, g, group) for g, group in enumerate(groups[1:], 1)]
