@@ -260,6 +260,30 @@ def test_background_copy_hashes_on_the_way_and_the_reader_hashes_behind_it():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("with_strided", [False, True])
+def test_repeated_syncs_into_a_slot_carry_changed_moved_and_strided_tensors(with_strided):
+    """The writer reuses a slot's copy plan and the reader its views across syncs: in-place changes, a
+    tensor replaced by another (new address) and a non-contiguous tensor all reach the receiver."""
+    torch.manual_seed(0)
+    tensors = {"weight": torch.randn(64, 32), "bias": torch.randn(64)}
+    if with_strided:
+        tensors["strided"] = torch.randn(32, 16).t()  # a byte view of it is a copy, made again every write
+    receiver = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.zeros(v.shape)) for k, v in tensors.items()})
+    writer, reader = SharedWeightWriter("test-plans"), SharedWeightReader()
+    try:
+        for version in range(1, 8):
+            checksum = reader.load(receiver, writer.write(version, tensors.items(), "local", background=version % 2 == 0))
+            assert checksum == writer.wait() == weights_checksum(receiver)
+            for name, tensor in tensors.items():
+                assert torch.equal(receiver[name], tensor), (version, name)
+            for tensor in tensors.values():
+                tensor.add_(1.0)  # in place: same address
+            if version == 4:
+                tensors["bias"] = torch.randn(64)  # another tensor, at another address
+    finally:
+        writer.close()
+
+
 def test_a_failed_background_copy_surfaces_on_the_trainer_and_times_out_the_reader(tiny_model_dir, monkeypatch):
     import engines.weight_sync as weight_sync
 
