@@ -226,7 +226,7 @@ class SharedWeightWriter:
         self.pid = os.getpid()
         self._slots: dict[int, torch.Tensor] = {}
         self._layout: tuple[list, tuple[TensorMeta, ...], int] | None = None
-        self._plans: dict[int, tuple] = {}  # per slot: (buffer, sources, layout key, copy pairs, copy groups)
+        self._plans: dict[int, tuple] = {}  # per slot: (buffer, sources, layout metas, copy pairs, copy groups)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pending: Future | None = None
         self._checksum: str | None = None
@@ -271,11 +271,11 @@ class SharedWeightWriter:
         # for contiguous tensors (a byte view of another is a copy); a moved tensor has another address
         sources = (threads, tuple(tensor.data_ptr() for _, tensor in tensors))
         plan = self._plans.get(slot)
-        if plan is None or plan[0] is not buffer or plan[1] != sources or plan[2] != key:
+        if plan is None or plan[0] is not buffer or plan[1] != sources or plan[2] is not metas:
             destination = buffer.numpy()
             pairs = [(i, _tensor_bytes(tensor).numpy(), destination[meta.offset : meta.offset + meta.nbytes])
                      for i, (meta, (_, tensor)) in enumerate(zip(metas, tensors))]
-            plan = (buffer, sources, key, pairs, _balanced_groups([m.nbytes for m in metas], threads))
+            plan = (buffer, sources, metas, pairs, _balanced_groups([m.nbytes for m in metas], threads))
             if all(tensor.is_contiguous() for _, tensor in tensors):
                 self._plans[slot] = plan
         _, _, _, pairs, groups = plan
