@@ -1,14 +1,19 @@
-"""The embedded Prefect server runs under SCHED_IDLE: every thread it has, and those it starts later."""
+"""The embedded Prefect server runs under SCHED_IDLE (every thread it has, and those it starts later)
+and records task runs in batches without losing any when it stops."""
 
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from flows.setup import deprioritize
+
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import sys, threading, time
@@ -46,3 +51,46 @@ def test_deprioritize_puts_every_thread_of_a_process_under_sched_idle():
     finally:
         child.kill()
         child.wait()
+
+
+SERVER_CHILD = """
+import os
+from prefect import flow, task
+from prefect.server.api.server import SubprocessASGIServer
+from flows.setup import start_prefect_server
+from tasks.common import TASK_DEFAULTS
+
+@task(name="unit", **TASK_DEFAULTS)
+def unit(i):
+    return i
+
+@flow(name="many-tasks", persist_result=False)
+def many(n):
+    return sum(unit(i) for i in range(n))
+
+start_prefect_server(timeout=120)
+pid = SubprocessASGIServer().server_process.pid
+server_env = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\\0") if "=" in item)
+keys = ("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL")
+print(*[server_env.get(key) for key in keys], keys[0] in os.environ, flush=True)
+print(many(40), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the server's environment from /proc")
+def test_embedded_server_batches_task_runs_and_writes_every_one_when_it_stops(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path), PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true", PYTHONPATH=str(REPO),
+               # set by the user: wins over EMBEDDED_SERVER_ENV. 30 s: no periodic flush during the run,
+               # so the 120 task-run events (under one batch of 200) reach the database only on stop
+               PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL="30")
+    done = subprocess.run([sys.executable, "-c", SERVER_CHILD], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    settings_line, total = done.stdout.split("\n")[:2]
+    batch_size, flush_interval, left_in_env = settings_line.split()
+    assert (batch_size, float(flush_interval), left_in_env) == ("200", 30.0, "False")  # ours, the user's, restored
+    assert total == str(sum(range(40)))
+    with sqlite3.connect(tmp_path / "prefect.db") as db:
+        states = db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type").fetchall()
+    assert states == [("COMPLETED", 40)]
