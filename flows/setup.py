@@ -30,37 +30,38 @@ def ensure_ray() -> None:
     )
 
 
-# Settings of the temporary server that ``start_prefect_server`` starts (a value set in the environment
-# wins). Its task-run recorder writes each task-run event, three per task, in an INSERT of its own by
-# default (batch size 1): ~16 ms of server CPU per task on 2 cores, which the engines' steps then share
-# a core with. In batches of up to 200, flushed every second (events every 2 s), it takes ~8 ms. Task
-# runs reach the server's database up to a second later; when the server stops it writes the rest.
-EMBEDDED_SERVER_ENV = {
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
-    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
-    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "500",
-    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "2",
+# Settings of the temporary server that ``start_prefect_server`` starts, by (service, field); a value the
+# user set (environment or profile) wins. Its task-run recorder writes each task-run event, three per task,
+# in an INSERT of its own by default (batch size 1): ~16 ms of server CPU per task on 2 cores, which the
+# engines' steps then share a core with. In batches of up to 200, flushed every second (events: 500,
+# every 2 s), it takes ~8 ms. Task runs reach the server's database up to a second later; when the
+# server stops it writes the rest.
+EMBEDDED_SERVER_SETTINGS = {
+    ("task_run_recorder", "batch_size"): 200,
+    ("task_run_recorder", "flush_interval"): 1.0,
+    ("event_persister", "batch_size"): 500,
+    ("event_persister", "flush_interval"): 2.0,
 }
 
 
 def start_prefect_server(timeout: int | None = None) -> None:
     """Prefect's temporary server when no ``PREFECT_API_URL`` names one (and ephemeral mode is on), with
-    ``EMBEDDED_SERVER_ENV`` and at the lowest CPU priority (``deprioritize``): it turns task-run events
-    into database rows, work that can wait for the engines' idle moments. Safe to call again."""
+    ``EMBEDDED_SERVER_SETTINGS`` and at the lowest CPU priority (``deprioritize``): it turns task-run
+    events into database rows, work that can wait for the engines' idle moments. Safe to call again."""
+    import prefect.settings
     from prefect.server.api.server import SubprocessASGIServer  # the instance Prefect's client reuses
-    from prefect.settings import get_current_settings
+    from prefect.settings import get_current_settings, temporary_settings
 
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
         return
+    services = settings.server.services
+    updates = {getattr(prefect.settings, f"PREFECT_SERVER_SERVICES_{service}_{field}".upper()): value
+               for (service, field), value in EMBEDDED_SERVER_SETTINGS.items()
+               if field not in getattr(services, service).model_fields_set}
     server = SubprocessASGIServer()
-    added = {key: value for key, value in EMBEDDED_SERVER_ENV.items() if key not in os.environ}
-    os.environ.update(added)  # the server process is started with this process's environment
-    try:
+    with temporary_settings(updates=updates):  # context-local: the server process is started with them
         server.start(timeout=timeout)
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
     if server.server_process is not None and server.server_process.poll() is None:
         deprioritize(server.server_process.pid)
 

@@ -72,7 +72,7 @@ start_prefect_server(timeout=120)
 pid = SubprocessASGIServer().server_process.pid
 server_env = dict(item.split("=", 1) for item in open(f"/proc/{pid}/environ").read().split("\\0") if "=" in item)
 keys = ("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL")
-print(*[server_env.get(key) for key in keys], keys[0] in os.environ, flush=True)
+print(*[server_env.get(key) for key in keys], keys[0] in os.environ, flush=True)  # ours, the user's, not here
 print(many(40), flush=True)
 """
 
@@ -89,7 +89,7 @@ def test_embedded_server_batches_task_runs_and_writes_every_one_when_it_stops(tm
     assert done.returncode == 0, done.stderr[-3000:]
     settings_line, total = done.stdout.split("\n")[:2]
     batch_size, flush_interval, left_in_env = settings_line.split()
-    assert (batch_size, float(flush_interval), left_in_env) == ("200", 30.0, "False")  # ours, the user's, restored
+    assert (batch_size, float(flush_interval), left_in_env) == ("200", 30.0, "False")
     assert total == str(sum(range(40)))
     with sqlite3.connect(tmp_path / "prefect.db") as db:
         states = db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type").fetchall()
