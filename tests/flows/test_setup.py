@@ -81,7 +81,7 @@ print(many(40), flush=True)
 def test_embedded_server_batches_task_runs_and_writes_every_one_when_it_stops(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path), PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true", PYTHONPATH=str(REPO),
-               # set by the user: wins over EMBEDDED_SERVER_ENV. 30 s: no periodic flush during the run,
+               # set by the user: wins over EMBEDDED_SERVER_SETTINGS. 30 s: no periodic flush during the run,
                # so the 120 task-run events (under one batch of 200) reach the database only on stop
                PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL="30")
     done = subprocess.run([sys.executable, "-c", SERVER_CHILD], cwd=REPO, env=env, capture_output=True, text=True,
