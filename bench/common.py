@@ -52,7 +52,7 @@ def median(values) -> float:
 
 def result_line(name: str, value: float, op: str, target: float) -> str:
     met = value <= target if op == "<=" else value >= target
-    return f"{name} {value:.3g} goal {op}{target:g} {'met' if met else 'missed'}"
+    return f"{name} {value:#.3g} goal {op}{target:g} {'met' if met else 'missed'}"
 
 
 def emit(payload: dict) -> None:

@@ -246,6 +246,17 @@ def train_packing() -> dict:
 
 # -- 6 ----------------------------------------------------------------------------------------------------------
 SYNC_REPEATS = 20
+# libgomp's idle worker spins ~9 ms of CPU after a parallel region before it sleeps (GOMP_SPINCOUNT's
+# default; measured here). After the baseline copy that spin would take one of the 2 cores from the sync
+# timed next (2-3 ms of its time), so the driver waits it out first. It waits busy because a machine left
+# idle wakes slowly: after a 30 ms sleep instead, the copy itself measured 8-10 ms rather than 5-7.
+BASELINE_SPIN_S = 0.015
+
+
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def weight_sync() -> dict:
@@ -275,6 +286,7 @@ def weight_sync() -> dict:
             for dst, src in pairs:
                 dst.copy_(src)
         raw.append(time.perf_counter() - start)
+        _busy_wait(BASELINE_SPIN_S)
         start = time.perf_counter()
         checksum = sync_weights.fn(trainer, [rollout], version, 64)
         synced.append(time.perf_counter() - start)
