@@ -1,5 +1,6 @@
 """The embedded Prefect server runs under SCHED_IDLE (every thread it has, and those it starts later)
-and records task runs in batches without losing any when it stops."""
+and records task runs in batches without losing any when it stops; Ray workers (the engines) get a
+short OpenMP spin unless the user set one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.setup import deprioritize
+from flows.setup import GOMP_SPINCOUNT, deprioritize, worker_env_vars
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,3 +95,25 @@ def test_embedded_server_batches_task_runs_and_writes_every_one_when_it_stops(tm
     with sqlite3.connect(tmp_path / "prefect.db") as db:
         states = db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type").fetchall()
     assert states == [("COMPLETED", 40)]
+
+
+RAY_CHILD = """
+import os, ray
+from flows.setup import ensure_ray
+ensure_ray()
+environment = ray.remote(lambda: (os.environ.get("GOMP_SPINCOUNT"), os.environ.get("TOKENIZERS_PARALLELISM")))
+print(*ray.get(environment.remote()))
+ray.shutdown()
+"""
+
+
+def test_ray_workers_get_a_short_openmp_spin_unless_the_user_set_one(tmp_path):
+    assert worker_env_vars({})["GOMP_SPINCOUNT"] == GOMP_SPINCOUNT == "30000"  # libgomp's default is 300000
+    assert worker_env_vars({"GOMP_SPINCOUNT": "300000"})["GOMP_SPINCOUNT"] == "300000"
+    # a local Ray started by ensure_ray hands it to its workers, which read it when torch loads libgomp
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "RAY_ADDRESS")}
+    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    done = subprocess.run([sys.executable, "-c", RAY_CHILD], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "30000 false"
