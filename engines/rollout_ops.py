@@ -15,6 +15,7 @@ import torch
 
 from engines.algorithms import advantages, kl
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, shape_advantages, shape_sequence_rewards
+from engines.rewards import warm_up
 from engines.rewards.runner import score_samples
 from engines.types import Rollouts, TrainBatch, build_train_batch
 
@@ -187,8 +188,12 @@ def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
 class RewardWorker:
     """Ray actor that scores rollouts and builds advantage batches next to the object store.
 
-    An actor rather than Ray tasks: this module's imports (the reward libraries) happen once, when the
-    actor starts in parallel with the model engines, and calls never hit a cold worker."""
+    An actor rather than Ray tasks: this module's imports (the reward libraries) and the warm-ups of
+    ``rewards`` (``engines.rewards.warm_up``) happen once, when the actor starts in parallel with the
+    model engines, and calls never hit a cold worker."""
+
+    def __init__(self, rewards: tuple[str, ...] = ()) -> None:
+        self.warmed = warm_up(rewards)
 
     def score(self, rollouts: Rollouts, prompts: list[str], columns: dict[str, list], spec: ScoreSpec):
         return score_rollouts(rollouts, prompts, columns, spec)

@@ -74,6 +74,13 @@ class RLEngines:
                 stop_engine(handle)
 
 
+def run_rewards(config: Config) -> tuple[str, ...]:
+    """The reward functions a run scores with (``data.domains``' or ``reward.name``): reward workers warm
+    them up as they start (``engines.rewards.warm_up``)."""
+    return tuple(sorted({d.reward for d in config.data.domains} if config.data.source == "domains"
+                        else {config.reward.name}))
+
+
 def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngines:
     """Rollout engine, trainer, reward worker, a frozen reference (when ``kl.coef > 0``) and a critic
     (when ``advantage: gae``), as named Ray actors; live ones of this run with the same settings are
@@ -100,7 +107,7 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngi
                               micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
     # Threaded actors: a worker takes several chunks at once; its reward pool bounds the calls in flight.
     reward_workers = [start_engine("reward/worker", run_name=config.run.name, role=f"reward-{i}",
-                                   max_concurrency=2 * config.reward.concurrency)
+                                   max_concurrency=2 * config.reward.concurrency, rewards=run_rewards(config))
                       for i in range(config.reward.workers)]
     judge = None
     judges = {d.reward_options.get("model_path") or model_path for d in config.data.domains if d.reward == "judge"}

@@ -8,7 +8,9 @@ gives it (``reward_options``; each must have a default). It returns one float pe
 ``Scored`` that also counts events (``timeout``, ``sandbox_violation``, …) for the metrics.
 
 Register one with ``@REWARDS.register("name")``; a duplicate name is an error and ``get_reward`` of an
-unknown name lists the registered ones. The scoring runner (``engines.rewards.runner``) calls a reward
+unknown name lists the registered ones. A reward whose first calls in a process are slow (parsers built
+on first use) may also register a warm-up, ``WARM_UPS["name"] = fn``, which reward workers run when
+they start, so a run's first steps do not pay it. The scoring runner (``engines.rewards.runner``) calls a reward
 on small chunks of samples with a timeout: an exception or a timeout scores the chunk 0.0 and is counted,
 so one bad completion or a buggy reward never stops a run.
 """
@@ -16,7 +18,7 @@ so one bad completion or a buggy reward never stops a run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from engines.registry import Registry
 
@@ -44,6 +46,22 @@ def get_reward(name: str) -> RewardFn:
 def reward_names() -> list[str]:
     """Registered reward names, sorted."""
     return REWARDS.names()
+
+
+WARM_UPS: dict[str, Callable[[], object]] = {}
+"""Reward name -> a call that does the reward's first-use work in this process (see the module docstring)."""
+
+
+def warm_up(names: Iterable[str]) -> list[str]:
+    """Run the warm-up of each reward in ``names`` that has one; returns the names warmed.
+    ``KeyError`` (listing the registered ones) for a name that is not a registered reward."""
+    warmed = []
+    for name in dict.fromkeys(names):
+        get_reward(name)
+        if name in WARM_UPS:
+            WARM_UPS[name]()
+            warmed.append(name)
+    return warmed
 
 
 # Imported for its @REWARDS.register side effect; after REWARDS exists, since it imports REWARDS.

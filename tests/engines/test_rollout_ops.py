@@ -128,3 +128,12 @@ def test_identical_samples_are_scored_once_and_every_row_gets_its_reward():
         assert stats["n"] == 6 and stats["correct"] == 4
     finally:
         REWARDS._entries.pop("t_counting")
+
+
+def test_reward_worker_warms_up_the_rewards_it_is_given():
+    from engines.rollout_ops import RewardWorker
+
+    assert RewardWorker(rewards=("think_answer_format", "math")).warmed == ["math"]
+    assert RewardWorker().warmed == []
+    with pytest.raises(KeyError, match="'nope'"):
+        RewardWorker(rewards=("nope",))

@@ -36,3 +36,11 @@ def test_every_task_has_a_deliberate_retry_and_cache_policy():
             assert task.retries >= 1, name
         else:
             assert task.retries == 0, name
+
+
+def test_reward_workers_warm_up_the_rewards_of_the_run():
+    from configs.loader import load_config
+    from flows.rlvr import run_rewards
+
+    assert run_rewards(load_config("quickstart", [])) == ("math",)
+    assert run_rewards(load_config("rlvr/multi_domain_tiny", [])) == ("code", "ifeval", "judge", "math", "reasoning_gym")

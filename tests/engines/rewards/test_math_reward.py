@@ -125,3 +125,23 @@ def test_registry():
 def test_docstring_examples():
     result = doctest.testmod(math_module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_warm_up_scores_each_first_use_path_once():
+    """Rows: answers 12, 0.5, \\frac{1}{2}; in each, WARM_UP_COMPLETIONS in order (``12+3`` is 15, not 12;
+    ``12 =`` ends in 12; a fraction and its decimal are equal both ways)."""
+    assert math_module.WARM_UP_COMPLETIONS == ("12+3", "\\frac{1}{2}", "\\boxed{4}", "3/4", "1 + 2 = 3", "x^2", "0.5", "12 =")
+    assert math_module.warm_up() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0,
+                                     0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0,
+                                     0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_warm_up_runs_each_named_reward_that_has_one(monkeypatch):
+    from engines.rewards import WARM_UPS, warm_up
+
+    calls = []
+    monkeypatch.setitem(WARM_UPS, "math", lambda: calls.append("math"))
+    assert warm_up(["think_answer_format", "math", "math"]) == ["math"]  # the format reward has none; a name twice runs once
+    assert calls == ["math"]
+    with pytest.raises(KeyError, match="unknown reward function 'maths'; registered: .*math"):
+        warm_up(["maths"])
