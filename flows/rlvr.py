@@ -26,7 +26,7 @@ from prefect import flow
 from prefect.utilities.annotations import quote  # large task arguments: Prefect need not walk them (no futures inside)
 
 from configs.schema import Config
-from flows.setup import final_dir, load_domains
+from flows.setup import domain_rewards, final_dir, load_domains
 from engines import checkpoint_store as store
 from engines.actors import describe, run_actor_names, start_engine, stop_engine
 from engines.algorithms.kl import adaptive_kl_coef
@@ -74,17 +74,11 @@ class RLEngines:
                 stop_engine(handle)
 
 
-def run_rewards(config: Config) -> tuple[str, ...]:
-    """The reward functions a run scores with (``data.domains``' or ``reward.name``): reward workers warm
-    them up as they start (``engines.rewards.warm_up``)."""
-    return tuple(sorted({d.reward for d in config.data.domains} if config.data.source == "domains"
-                        else {config.reward.name}))
-
-
-def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngines:
-    """Rollout engine, trainer, reward worker, a frozen reference (when ``kl.coef > 0``) and a critic
-    (when ``advantage: gae``), as named Ray actors; live ones of this run with the same settings are
-    reattached (the trainer and critic only when ``restoring`` from a checkpoint, which resets them)."""
+def start_rl_engines(config: Config, model_path: str, restoring: bool, rewards: tuple[str, ...]) -> RLEngines:
+    """Rollout engine, trainer, reward workers (warming up ``rewards`` as they start), a frozen reference
+    (when ``kl.coef > 0``) and a critic (when ``advantage: gae``), as named Ray actors; live ones of this
+    run with the same settings are reattached (the trainer and critic only when ``restoring`` from a
+    checkpoint, which resets them)."""
     from engines.models import load_tokenizer, stop_token_ids
 
     common = dict(run_name=config.run.name, model_path=model_path, dtype=config.model.dtype,
@@ -107,7 +101,7 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool) -> RLEngi
                               micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
     # Threaded actors: a worker takes several chunks at once; its reward pool bounds the calls in flight.
     reward_workers = [start_engine("reward/worker", run_name=config.run.name, role=f"reward-{i}",
-                                   max_concurrency=2 * config.reward.concurrency, rewards=run_rewards(config))
+                                   max_concurrency=2 * config.reward.concurrency, rewards=rewards)
                       for i in range(config.reward.workers)]
     judge = None
     judges = {d.reward_options.get("model_path") or model_path for d in config.data.domains if d.reward == "judge"}
@@ -270,7 +264,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     domains = load_domains(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     latest = store.latest_checkpoint(run_dir)
-    engines = start_rl_engines(cfg, model_path, restoring=latest is not None)
+    engines = start_rl_engines(cfg, model_path, restoring=latest is not None, rewards=domain_rewards(domains))
     record_engines(run_dir, engines)
     objective = build_objective(cfg)
     value_objective = ValueObjective(clip_range=alg.critic.clip_range)

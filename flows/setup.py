@@ -118,6 +118,11 @@ def load_domains(config: Config) -> list:
     return domains
 
 
+def domain_rewards(domains: list) -> tuple[str, ...]:
+    """The rewards ``domains`` (``load_domains``) score with, sorted and once each."""
+    return tuple(sorted({domain.reward for domain in domains}))
+
+
 def _split_rows(source: str, arithmetic, train_path: str | None, heldout_path: str | None,
                 config: Config) -> tuple[list[dict], list[dict]]:
     if source == "arithmetic":

@@ -40,7 +40,10 @@ def test_every_task_has_a_deliberate_retry_and_cache_policy():
 
 def test_reward_workers_warm_up_the_rewards_of_the_run():
     from configs.loader import load_config
-    from flows.rlvr import run_rewards
+    from flows.setup import domain_rewards, load_domains
 
-    assert run_rewards(load_config("quickstart", [])) == ("math",)
-    assert run_rewards(load_config("rlvr/multi_domain_tiny", [])) == ("code", "ifeval", "judge", "math", "reasoning_gym")
+    def run_rewards(preset):  # what rlvr_flow hands start_rl_engines
+        return domain_rewards(load_domains(load_config(preset, [])))
+
+    assert run_rewards("quickstart") == ("math",)
+    assert run_rewards("rlvr/multi_domain_tiny") == ("code", "ifeval", "judge", "math", "reasoning_gym")
