@@ -36,8 +36,10 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def ray_cluster():
     import ray
 
+    from flows.setup import worker_env_vars
+
     ray.init(num_cpus=2, include_dashboard=False, namespace="rollflow", log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}})
+             runtime_env={"env_vars": worker_env_vars()})  # the workers' environment of a run's own Ray
     yield ray
     ray.shutdown()
 
