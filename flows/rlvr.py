@@ -74,10 +74,11 @@ class RLEngines:
                 stop_engine(handle)
 
 
-def start_rl_engines(config: Config, model_path: str, restoring: bool, rewards: tuple[str, ...]) -> RLEngines:
-    """Rollout engine, trainer, reward workers (warming up ``rewards`` as they start), a frozen reference
-    (when ``kl.coef > 0``) and a critic (when ``advantage: gae``), as named Ray actors; live ones of this
-    run with the same settings are reattached (the trainer and critic only when ``restoring`` from a
+def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: list) -> RLEngines:
+    """Rollout engine, trainer, reward workers (warming up the rewards of ``domains``, ``load_domains``,
+    as they start), a judge engine (when a domain scores with ``judge``), a frozen reference (when
+    ``kl.coef > 0``) and a critic (when ``advantage: gae``), as named Ray actors; live ones of this run
+    with the same settings are reattached (the trainer and critic only when ``restoring`` from a
     checkpoint, which resets them)."""
     from engines.models import load_tokenizer, stop_token_ids
 
@@ -101,19 +102,26 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, rewards: 
                               micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
     # Threaded actors: a worker takes several chunks at once; its reward pool bounds the calls in flight.
     reward_workers = [start_engine("reward/worker", run_name=config.run.name, role=f"reward-{i}",
-                                   max_concurrency=2 * config.reward.concurrency, rewards=rewards)
+                                   max_concurrency=2 * config.reward.concurrency, rewards=domain_rewards(domains))
                       for i in range(config.reward.workers)]
     judge = None
-    judges = {d.reward_options.get("model_path") or model_path for d in config.data.domains if d.reward == "judge"}
-    if judges:  # one judge model per run: the LLM-as-judge reward's own inference engine
-        if len(judges) > 1:
-            raise ValueError(f"judge domains name different models {sorted(judges)}; use one")
-        [judge_path] = judges
+    judge_path = judge_model_path(domains, model_path)
+    if judge_path is not None:  # the LLM-as-judge reward's own inference engine
         judge = start_engine("rollout/hf", role="judge", run_name=config.run.name, model_path=judge_path,
                              dtype=config.model.dtype, torch_threads=config.run.torch_threads)
     tokenizer = load_tokenizer(model_path)
     return RLEngines(rollout, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
                      stop_token_ids(tokenizer, config.rollout.stop))
+
+
+
+def judge_model_path(domains: list, model_path: str) -> str | None:
+    """The model of the run's judge engine: the ``reward_options.model_path`` of its ``judge`` domains
+    (default: ``model_path``, the policy's own), or None without one. One judge model per run."""
+    judges = {d.reward_options.get("model_path") or model_path for d in domains if d.reward == "judge"}
+    if len(judges) > 1:
+        raise ValueError(f"judge domains name different models {sorted(judges)}; use one")
+    return next(iter(judges), None)
 
 
 def record_engines(run_dir: str, engines: RLEngines) -> None:
@@ -264,7 +272,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     domains = load_domains(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     latest = store.latest_checkpoint(run_dir)
-    engines = start_rl_engines(cfg, model_path, restoring=latest is not None, rewards=domain_rewards(domains))
+    engines = start_rl_engines(cfg, model_path, restoring=latest is not None, domains=domains)
     record_engines(run_dir, engines)
     objective = build_objective(cfg)
     value_objective = ValueObjective(clip_range=alg.critic.clip_range)

@@ -4,9 +4,11 @@ result is cached, so neither two experiments nor two attempts can share one."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 
+import pytest
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import Task
 
@@ -42,8 +44,28 @@ def test_reward_workers_warm_up_the_rewards_of_the_run():
     from configs.loader import load_config
     from flows.setup import domain_rewards, load_domains
 
-    def run_rewards(preset):  # what rlvr_flow hands start_rl_engines
+    def run_rewards(preset):  # what start_rl_engines hands its reward workers
         return domain_rewards(load_domains(load_config(preset, [])))
 
     assert run_rewards("quickstart") == ("math",)
     assert run_rewards("rlvr/multi_domain_tiny") == ("code", "ifeval", "judge", "math", "reasoning_gym")
+
+
+def test_the_judge_engine_serves_the_judge_domains_of_the_run_single_domain_runs_too():
+    from configs.loader import load_config
+    from flows.rlvr import judge_model_path
+    from flows.setup import load_domains
+
+    def judge(preset, overrides=()):
+        return judge_model_path(load_domains(load_config(preset, list(overrides))), "/policy")
+
+    assert judge("quickstart") is None
+    assert judge("quickstart", ["reward.name=judge"]) == "/policy"  # reward.name, not data.domains
+    assert judge("rlvr/multi_domain_tiny") == "/policy"  # its judge domain sets no model_path
+    domains = load_domains(load_config("rlvr/multi_domain_tiny", []))
+    judge_domain = next(d for d in domains if d.reward == "judge")
+    judge_domain.reward_options["model_path"] = "/judge"
+    assert judge_model_path(domains, "/policy") == "/judge"
+    domains.append(dataclasses.replace(judge_domain, name="qa2", reward_options={"model_path": "/other"}))
+    with pytest.raises(ValueError, match=r"different models \['/judge', '/other'\]"):
+        judge_model_path(domains, "/policy")
