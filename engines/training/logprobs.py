@@ -80,8 +80,9 @@ def _prompt_segments(input_ids: torch.Tensor, lengths: list[int], prompt_lengths
     if not share_prompts or max(lengths) > SHARED_MAX_WIDTH:
         return alone
     groups: dict[tuple, list[int]] = {}
+    ids = input_ids.tolist()  # once: slicing the tensor row by row costs more than the grouping
     for i, p in enumerate(prompt_lengths):
-        groups.setdefault(tuple(input_ids[i, :p].tolist()) if p else ("row", i), []).append(i)
+        groups.setdefault(tuple(ids[i][:p]) if p else ("row", i), []).append(i)
     saved = sum((len(rows) - 1) * prompt_lengths[rows[0]] for rows in groups.values())
     if saved < SHARED_PROMPT_MIN_SAVING * sum(lengths):
         return alone
@@ -124,28 +125,36 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed
             free.append(width)
         place[s] = (row, width - free[row])
         free[row] -= sizes[s]
+    # where each row's tokens go: its segment's prefix at the segment's start, its own tokens after those
+    # of the segment's rows before it. Per-row integers here, then one scatter per tensor (the same
+    # placement token by token cost ~3 ms of a 128-row batch's train step)
+    batch_rows, max_len = input_ids.shape
+    row_of, prefix_of, start_of, own_start_of, segment_id = ([0] * batch_rows for _ in range(5))
+    for s, ((prefix, rows), (row, offset)) in enumerate(zip(segments, place)):
+        cursor = offset + prefix
+        for i in rows:
+            row_of[i], prefix_of[i], start_of[i], own_start_of[i], segment_id[i] = row, prefix, offset, cursor, s + 1
+            cursor += lengths[i] - prefix
+    columns = torch.arange(max_len)
+    prefix_len = torch.tensor(prefix_of)[:, None]  # [B, 1]
+    in_prefix = columns < prefix_len  # [B, L]
+    is_token = columns < torch.tensor(lengths)[:, None]  # [B, L]
+    packed_row = torch.tensor(row_of)  # [B]
+    packed_col = torch.where(in_prefix, torch.tensor(start_of)[:, None] + columns,  # [B, L]; 0 past each row's end
+                             torch.tensor(own_start_of)[:, None] + columns - prefix_len) * is_token
+    token_rows, token_cols = is_token.nonzero(as_tuple=True)
+    at = (packed_row[token_rows], packed_col[token_rows, token_cols])
     packed_ids = torch.full((len(free), width), pad_token_id, dtype=torch.long)
     positions = torch.zeros((len(free), width), dtype=torch.long)
     branch = torch.zeros((len(free), width), dtype=torch.long)  # 0: shared prefix or pad tail; i + 1: row i's own
     segment_of = torch.zeros((len(free), width), dtype=torch.long)  # segment id + 1; pad tails stay 0
-    packed_row = torch.zeros(len(lengths), dtype=torch.long)
-    packed_col = torch.zeros(input_ids.shape, dtype=torch.long)  # where each (row, col) token sits in its packed row
-    for s, ((prefix, rows), (row, offset)) in enumerate(zip(segments, place)):
-        packed_ids[row, offset:offset + prefix] = input_ids[rows[0], :prefix]
-        positions[row, offset:offset + prefix] = torch.arange(prefix)
-        segment_of[row, offset:offset + sizes[s]] = s + 1
-        cursor = offset + prefix
-        for i in rows:
-            own = lengths[i] - prefix
-            packed_ids[row, cursor:cursor + own] = input_ids[i, prefix:lengths[i]]
-            positions[row, cursor:cursor + own] = torch.arange(prefix, lengths[i])
-            branch[row, cursor:cursor + own] = i + 1
-            packed_row[i] = row
-            packed_col[i, :prefix] = torch.arange(offset, offset + prefix)
-            packed_col[i, prefix:lengths[i]] = torch.arange(cursor, cursor + own)
-            cursor += own
-    for row, room in enumerate(free):  # the pad tail is a sequence of its own
-        positions[row, width - room:] = torch.arange(room)
+    packed_ids[at] = input_ids[token_rows, token_cols]  # a shared prefix is written once per row, the same tokens
+    positions[at] = token_cols
+    branch[at] = torch.where(in_prefix[token_rows, token_cols], 0, token_rows + 1)
+    segment_of[at] = torch.tensor(segment_id)[token_rows]
+    used = torch.tensor([width - room for room in free])[:, None]  # [R, 1]
+    tail_columns = torch.arange(width) - used  # [R, W]; the pad tail is a sequence of its own
+    positions = torch.where(tail_columns >= 0, tail_columns, positions)
     rows, cols = needed.nonzero(as_tuple=True)
     mask = None
     if any(len(rows_) > 1 for _, rows_ in segments):

@@ -120,6 +120,70 @@ def test_shared_prompt_packing_keeps_one_prompt_per_group():
     assert pack_sequences(*_batch(), share_prefixes=True).attention_mask is None
 
 
+def _placement_by_loop(input_ids, lengths, segments, place, sizes, width, rooms):
+    """The reference of ``pack_sequences``' vectorised placement: token by token, segment by segment."""
+    rows_out = len(rooms)
+    packed_ids = torch.zeros((rows_out, width), dtype=torch.long)
+    positions, branch, segment_of = (torch.zeros((rows_out, width), dtype=torch.long) for _ in range(3))
+    packed_row, packed_col = torch.zeros(len(lengths), dtype=torch.long), torch.zeros(input_ids.shape, dtype=torch.long)
+    for s, ((prefix, rows), (row, offset)) in enumerate(zip(segments, place)):
+        packed_ids[row, offset:offset + prefix] = input_ids[rows[0], :prefix]
+        positions[row, offset:offset + prefix] = torch.arange(prefix)
+        segment_of[row, offset:offset + sizes[s]] = s + 1
+        cursor = offset + prefix
+        for i in rows:
+            own = lengths[i] - prefix
+            packed_ids[row, cursor:cursor + own] = input_ids[i, prefix:lengths[i]]
+            positions[row, cursor:cursor + own] = torch.arange(prefix, lengths[i])
+            branch[row, cursor:cursor + own] = i + 1
+            packed_row[i] = row
+            packed_col[i, :prefix] = torch.arange(offset, offset + prefix)
+            packed_col[i, prefix:lengths[i]] = torch.arange(cursor, cursor + own)
+            cursor += own
+    for row, room in enumerate(rooms):
+        positions[row, width - room:] = torch.arange(room)
+    return packed_ids, positions, branch, segment_of, packed_row, packed_col
+
+
+@pytest.mark.parametrize("share, segment_width", [(False, 512), (True, 512), (True, 0)])  # 0: groups cut into several segments
+def test_pack_sequences_places_tokens_as_the_token_by_token_loop(share, segment_width, monkeypatch):
+    from engines.training import logprobs
+
+    monkeypatch.setattr(logprobs, "SHARED_SEGMENT_WIDTH", segment_width)
+    for seed in range(6):
+        ids, mask, response = _grouped_batch(seed, groups=4, group_size=5) if seed % 2 else _batch(seed, rows=11)
+        packed = pack_sequences(ids, mask, response, share_prefixes=share)
+        lengths = mask.sum(-1).tolist()
+        needed = response.bool().clone()
+        needed[:, 0] = False
+        prefixes = torch.where(needed.any(-1), needed.int().argmax(-1), 0).tolist()
+        segments = logprobs._prompt_segments(ids, lengths, prefixes, share)
+        if share and seed % 2:
+            assert any(len(rows) > 1 for _, rows in segments)  # the case under test: prompts shared
+        if segment_width == 0 and seed % 2:
+            assert len(segments) > 4  # and groups cut at the longest sequence
+        # first-fit decreasing, as pack_sequences places segments; then the loop places their tokens
+        sizes = [prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in segments]
+        width, rooms, place = max(sizes), [], [None] * len(segments)
+        for s in sorted(range(len(segments)), key=lambda s: -sizes[s]):
+            row = next((r for r, room in enumerate(rooms) if room >= sizes[s]), len(rooms))
+            if row == len(rooms):
+                rooms.append(width)
+            place[s] = (row, width - rooms[row])
+            rooms[row] -= sizes[s]
+        packed_ids, positions, branch, segment_of, packed_row, packed_col = _placement_by_loop(
+            ids, lengths, segments, place, sizes, width, rooms)
+        assert torch.equal(packed.input_ids, packed_ids) and torch.equal(packed.position_ids, positions)
+        rows, cols = needed.nonzero(as_tuple=True)
+        assert torch.equal(packed.logit_index[0], packed_row[rows]) and torch.equal(packed.logit_index[1], packed_col[rows, cols - 1])
+        if packed.attention_mask is not None:  # the mask is built from branch and segment ids: same ids, same mask
+            same = segment_of[:, :, None] == segment_of[:, None, :]
+            visible = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+            pad_tail = (segment_of == 0)[:, :, None] & (segment_of == 0)[:, None, :]
+            allowed = (same & visible | pad_tail) & torch.ones(width, width, dtype=torch.bool).tril()
+            assert torch.equal(packed.attention_mask[:, 0] == 0, allowed)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_shared_prompt_logprobs_entropy_and_gradients_match_padded(tiny_model_dir, temperature):
     from engines.models import load_model
