@@ -100,6 +100,31 @@ def _prompt_segments(input_ids: torch.Tensor, lengths: list[int], prompt_lengths
     return segments
 
 
+def _place_segments(sizes: list[int]) -> tuple[int, list[tuple[int, int]], list[int]]:
+    """First-fit decreasing of segments of ``sizes`` tokens into rows as wide as the largest: the width,
+    each segment's ``(packed row, offset)`` and the room left at the end of each packed row."""
+    width = max(sizes)
+    free: list[int] = []
+    place = [(0, 0)] * len(sizes)
+    for s in sorted(range(len(sizes)), key=lambda s: -sizes[s]):
+        row = next((r for r, room in enumerate(free) if room >= sizes[s]), len(free))
+        if row == len(free):
+            free.append(width)
+        place[s] = (row, width - free[row])
+        free[row] -= sizes[s]
+    return width, place, free
+
+
+def _allowed_attention(segment_of: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+    """``[R, W, W]`` bool: causal, within a segment (segment ids ``[R, W]``, 0 for a pad tail), each row's
+    own tokens (``branch`` i + 1) seeing the shared prefix (branch 0) and themselves; a pad tail sees itself."""
+    width = segment_of.shape[1]
+    same = segment_of[:, :, None] == segment_of[:, None, :]
+    visible = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+    pad_tail = (segment_of == 0)[:, :, None] & (segment_of == 0)[:, None, :]
+    return (same & visible | pad_tail) & torch.ones(width, width, dtype=torch.bool).tril()
+
+
 def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed: torch.Tensor,
                    pad_token_id: int = 0, share_prefixes: bool = False,
                    dtype: torch.dtype = torch.float32) -> PackedSequences:
@@ -115,16 +140,7 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed
     lengths = attention_mask.sum(-1).tolist()
     prefix_lengths = torch.where(needed.any(-1), needed.int().argmax(-1), 0).tolist()
     segments = _prompt_segments(input_ids, lengths, prefix_lengths, share_prefixes)
-    sizes = [prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in segments]
-    width = max(sizes)
-    free: list[int] = []  # room left in each packed row
-    place = [(0, 0)] * len(segments)  # (packed row, offset) of each segment
-    for s in sorted(range(len(segments)), key=lambda s: -sizes[s]):
-        row = next((r for r, room in enumerate(free) if room >= sizes[s]), len(free))
-        if row == len(free):
-            free.append(width)
-        place[s] = (row, width - free[row])
-        free[row] -= sizes[s]
+    width, place, free = _place_segments([prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in segments])
     # where each row's tokens go: its segment's prefix at the segment's start, its own tokens after those
     # of the segment's rows before it. Per-row integers here, then one scatter per tensor (the same
     # placement token by token cost ~3 ms of a 128-row batch's train step)
@@ -158,11 +174,7 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed
     rows, cols = needed.nonzero(as_tuple=True)
     mask = None
     if any(len(rows_) > 1 for _, rows_ in segments):
-        same = segment_of[:, :, None] == segment_of[:, None, :]
-        causal = torch.ones(width, width, dtype=torch.bool).tril()
-        visible = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
-        pad_tail = (segment_of == 0)[:, :, None] & (segment_of == 0)[:, None, :]
-        allowed = (same & visible | pad_tail) & causal
+        allowed = _allowed_attention(segment_of, branch)
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
     return PackedSequences(packed_ids, positions, (packed_row[rows], packed_col[rows, cols - 1]), (rows, cols),
                            input_ids[rows, cols], mask)

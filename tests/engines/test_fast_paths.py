@@ -162,26 +162,16 @@ def test_pack_sequences_places_tokens_as_the_token_by_token_loop(share, segment_
             assert any(len(rows) > 1 for _, rows in segments)  # the case under test: prompts shared
         if segment_width == 0 and seed % 2:
             assert len(segments) > 4  # and groups cut at the longest sequence
-        # first-fit decreasing, as pack_sequences places segments; then the loop places their tokens
+        # segments placed as pack_sequences places them; then the loop places their tokens
         sizes = [prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in segments]
-        width, rooms, place = max(sizes), [], [None] * len(segments)
-        for s in sorted(range(len(segments)), key=lambda s: -sizes[s]):
-            row = next((r for r, room in enumerate(rooms) if room >= sizes[s]), len(rooms))
-            if row == len(rooms):
-                rooms.append(width)
-            place[s] = (row, width - rooms[row])
-            rooms[row] -= sizes[s]
+        width, place, rooms = logprobs._place_segments(sizes)
         packed_ids, positions, branch, segment_of, packed_row, packed_col = _placement_by_loop(
             ids, lengths, segments, place, sizes, width, rooms)
         assert torch.equal(packed.input_ids, packed_ids) and torch.equal(packed.position_ids, positions)
         rows, cols = needed.nonzero(as_tuple=True)
         assert torch.equal(packed.logit_index[0], packed_row[rows]) and torch.equal(packed.logit_index[1], packed_col[rows, cols - 1])
         if packed.attention_mask is not None:  # the mask is built from branch and segment ids: same ids, same mask
-            same = segment_of[:, :, None] == segment_of[:, None, :]
-            visible = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
-            pad_tail = (segment_of == 0)[:, :, None] & (segment_of == 0)[:, None, :]
-            allowed = (same & visible | pad_tail) & torch.ones(width, width, dtype=torch.bool).tril()
-            assert torch.equal(packed.attention_mask[:, 0] == 0, allowed)
+            assert torch.equal(packed.attention_mask[:, 0] == 0, logprobs._allowed_attention(segment_of, branch))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
