@@ -32,6 +32,11 @@ def arithmetic_rows(num_train: int = 500, num_heldout: int = 32, max_operand: in
                                   ops=("+",), seed=seed)
 
 
+def quickstart_rows():
+    """``configs/quickstart.yaml``'s task, drawn with seed 0: ``(train_rows, heldout_rows)``."""
+    return arithmetic_rows(num_train=4000, num_heldout=200, max_operand=99)
+
+
 def build_model(size: str, out_dir: str | os.PathLike, rows: list[dict], seed: int = 0,
                 max_positions: int = 256) -> str:
     """A Qwen2 model of ``SIZES[size]`` (or a dict of TinyModelSpec fields) with a tokenizer trained on ``rows``."""

@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (MAX_NEW_TOKENS, REPO, arithmetic_rows, build_model, emit, median, read_result,  # noqa: E402
-                          scratch_dir)
+from bench.common import (MAX_NEW_TOKENS, REPO, arithmetic_rows, build_model, emit, median,  # noqa: E402
+                          quickstart_rows, read_result, scratch_dir)
 
 TARGET_ACCURACY = 0.45
 QUICKSTART_MAX_NEW_TOKENS = 6
@@ -131,14 +131,14 @@ def _sft_checkpoint(out_dir: str, size: str = "tiny") -> tuple[str, dict]:
     from engines.data.sft import sft_batch
     from engines.training.torch import OptimSpec, TorchTrainEngine
 
-    rows, heldout = arithmetic_rows(num_train=4000, num_heldout=200, max_operand=99)
+    rows, heldout = quickstart_rows()
     base = build_model(size, Path(out_dir) / "base", rows)
     tokenizer = AutoTokenizer.from_pretrained(base)
     engine = TorchTrainEngine(base, OptimSpec(lr=SFT_LR[size], warmup_steps=10, total_steps=SFT_MAX_STEPS),
                               micro_batch_size=32)
     position, accuracy, step = 0, 0.0, 0
     while accuracy < SFT_ACCURACY:
-        if step == SFT_MAX_STEPS:
+        if step >= SFT_MAX_STEPS:
             raise RuntimeError(f"{size} SFT: held-out accuracy {accuracy:.3f} after {step} steps, "
                                f"short of {SFT_ACCURACY}")
         for _ in range(SFT_CHECK_EVERY[size]):
@@ -170,7 +170,7 @@ TTA_EVAL_EVERY = 2  # held-out accuracy every 2 steps on both sides: the crossin
 def _quickstart_files(out_dir: str) -> list[str]:
     """The quickstart task's rows (configs/quickstart.yaml's split, drawn with seed 0) as data.source=files
     overrides, so RollFlow's run.seed varies its sampling and data order but not the split."""
-    rows = dict(zip(("train", "heldout"), arithmetic_rows(num_train=4000, num_heldout=200, max_operand=99)))
+    rows = dict(zip(("train", "heldout"), quickstart_rows()))
     for split, split_rows in rows.items():
         with open(Path(out_dir) / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in split_rows)
@@ -226,7 +226,7 @@ def time_to_accuracy_vs_trl() -> dict:
 
 
 def orchestration_overhead() -> dict:
-    rows, _ = arithmetic_rows(num_train=4000, num_heldout=200, max_operand=99)
+    rows, _ = quickstart_rows()
     model = build_model("tiny", Path(scratch_dir("model-q")) / "model", rows)
     flow = _flow("configs/quickstart.yaml", ["model.source=hf", f"model.path={model}", "sft=null", "train.steps=12",
                                              "eval.every=0"])

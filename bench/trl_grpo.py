@@ -65,10 +65,9 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from bench.common import arithmetic_rows, emit
+    from bench.common import arithmetic_rows, emit, quickstart_rows
 
-    train_rows, heldout = (arithmetic_rows() if args.data == "tiny" else
-                           arithmetic_rows(num_train=4000, num_heldout=200, max_operand=99))
+    train_rows, heldout = arithmetic_rows() if args.data == "tiny" else quickstart_rows()
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in train_rows])
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
