@@ -77,7 +77,33 @@ def run_flow_metrics(config_path: str, overrides: list[str]) -> dict:
     keys = ("time/step", "time/evaluate", "perf/generate_compute_s", "perf/score_compute_s", "perf/train_compute_s",
             "eval/heldout_accuracy")
     history = {k: {m.step: m.value for m in client.get_metric_history(result["mlflow_run_id"], k)} for k in keys}
-    return {"history": history, "wall_s": wall}
+    return {"history": history, "wall_s": wall, "no_op_task_s": no_op_task_seconds()}
+
+
+TASKS_PER_STEP = 4  # an RLVR step without critic or reference: generate_and_score, compute_advantages, train, sync_weights
+
+
+def no_op_task_seconds(calls: int = 60) -> float:
+    """Median seconds of a Prefect task that does nothing, called in a flow with the flow's task settings
+    and log level, on the same server right after the flow: the least a task per stage can cost."""
+    from prefect import flow, task
+
+    from tasks.common import TASK_DEFAULTS
+
+    @task(name="no_op", **TASK_DEFAULTS)
+    def no_op(value: int) -> int:
+        return value
+
+    @flow(name="no-op-tasks", persist_result=False)
+    def no_op_tasks() -> list[float]:
+        seconds = []
+        for i in range(calls):
+            start = time.perf_counter()
+            no_op(i)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    return median(no_op_tasks()[10:])  # the first calls import and warm up
 
 
 def _overhead(history: dict, skip_first: bool = True) -> dict:
@@ -231,9 +257,12 @@ def orchestration_overhead() -> dict:
     flow = _flow("configs/quickstart.yaml", ["model.source=hf", f"model.path={model}", "sft=null", "train.steps=12",
                                              "eval.every=0"])
     result = _overhead(flow["history"])
+    floor = TASKS_PER_STEP * flow["no_op_task_s"] / result["step_s"]
     print(f"quickstart size: {result['step_s']:.3f} s/iter, orchestration share {result['overhead_share']:.3f} "
           f"over {result['steps']} steps (tiny and bench sizes: see grpo_iter_vs_trl)")
-    return {"value": result["overhead_share"], **result}
+    print(f"a no-op Prefect task: {flow['no_op_task_s'] * 1e3:.2f} ms; {TASKS_PER_STEP} per step alone are a share of "
+          f"{floor:.3f} at the quickstart size", flush=True)
+    return {"value": result["overhead_share"], "prefect_floor_share": floor, "no_op_task_s": flow["no_op_task_s"], **result}
 
 
 # -- 4 ----------------------------------------------------------------------------------------------------------
@@ -337,20 +366,22 @@ def weight_sync() -> dict:
     from engines.actors import start_engine, stop_engine
     from engines.models import load_model
     from engines.training.torch import OptimSpec
+    from engines.weight_sync import SharedWeightReader, SharedWeightWriter
     from flows.setup import ensure_ray
     from tasks.sync import sync_weights
 
     rows, _ = arithmetic_rows()
     model = build_model("bench", Path(scratch_dir("model-w")) / "model", rows)
     torch.set_num_threads(2)
-    source, target = load_model(model), load_model(model)
+    source, target, local_target = load_model(model), load_model(model), load_model(model)
     pairs = [(dst, src) for (_, dst), (_, src) in zip(target.named_parameters(), source.named_parameters())]
     nbytes = sum(p.numel() * p.element_size() for _, p in pairs)
+    writer, reader, named = SharedWeightWriter("bench"), SharedWeightReader(), list(source.named_parameters())
     ensure_ray()
     common = dict(run_name="bench-sync", model_path=model, torch_threads=2)
     trainer = start_engine("train/torch", role="trainer", optim=OptimSpec(), reuse=False, **common)
     rollout = start_engine("rollout/hf", role="rollout", **common)
-    raw, synced, bucketed = [], [], []
+    raw, synced, local, bucketed = [], [], [], []
     for version in range(1, SYNC_REPEATS + 1):  # baseline and sync alternate: both see the same machine state
         start = time.perf_counter()
         with torch.no_grad():
@@ -362,6 +393,14 @@ def weight_sync() -> dict:
         checksum = sync_weights.fn(trainer, [rollout], version, 64)
         synced.append(time.perf_counter() - start)
         assert checksum == ray.get(rollout.weights_checksum.remote())
+        # the same two passes (trainer: copy and hash; engine: hash what it points at) in this process,
+        # overlapped as in a sync, without Ray and without a second process
+        start = time.perf_counter()
+        local_checksum = reader.load(local_target, writer.write(version, named, "local", background=True))
+        local.append(time.perf_counter() - start)
+        assert local_checksum == writer.wait()
+        _busy_wait(BASELINE_SPIN_S)
+    writer.close()
     for version in range(SYNC_REPEATS + 1, SYNC_REPEATS + 4):  # the object-store path, for reference
         start = time.perf_counter()
         ray.get(rollout.update_weights.remote(version, trainer.export_weights.remote(64 << 20)))
@@ -372,11 +411,13 @@ def weight_sync() -> dict:
     print("each sync (ms):", [round(s * 1e3, 1) for s in synced], " each copy (ms):", [round(s * 1e3, 1) for s in raw])
     steady = slice(2, None)  # the first sync into each of the two slots allocates its shared memory
     result = {"value": median(synced[steady]) / median(raw[steady]), "sync_s": median(synced[steady]),
-              "raw_copy_s": median(raw[steady]),
+              "raw_copy_s": median(raw[steady]), "in_process_sync_s": median(local[steady]),
               "bucket_path_s": median(bucketed), "mbytes": nbytes / 2**20}
     print(f"{result['mbytes']:.0f} MiB: sync (shared memory, both checksums) {result['sync_s'] * 1e3:.1f} ms, "
           f"in-process copy {result['raw_copy_s'] * 1e3:.1f} ms, object-store buckets without checksum "
           f"{result['bucket_path_s'] * 1e3:.1f} ms")
+    print(f"the sync's two passes in one process, without Ray: {result['in_process_sync_s'] * 1e3:.1f} ms "
+          f"({result['in_process_sync_s'] / result['raw_copy_s']:.2f}x the copy)")
     return result
 
 
