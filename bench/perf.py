@@ -50,13 +50,14 @@ def _trl(model: str, steps: int, max_new_tokens: int, **options) -> dict:
     return _python(["bench/trl_grpo.py", model, f"--steps={steps}", f"--max-new-tokens={max_new_tokens}", *flags])
 
 
-def _flow(config: str, overrides: list[str]) -> dict:
-    result = _python(["bench/perf.py", "_flow", config, *overrides])
+def _flow(config: str, overrides: list[str], no_op_task: bool = False) -> dict:
+    """The flow's per-step history from a process of its own; with ``no_op_task`` also ``no_op_task_s``."""
+    result = _python(["bench/perf.py", "_flow+no_op_task" if no_op_task else "_flow", config, *overrides])
     result["history"] = {key: {int(step): v for step, v in values.items()} for key, values in result["history"].items()}
     return result
 
 
-def run_flow_metrics(config_path: str, overrides: list[str]) -> dict:
+def run_flow_metrics(config_path: str, overrides: list[str], no_op_task: bool = False) -> dict:
     """Run the real flow (local Ray, embedded Prefect, MLflow sqlite) and return its per-step timings."""
     from mlflow.tracking import MlflowClient
 
@@ -77,7 +78,10 @@ def run_flow_metrics(config_path: str, overrides: list[str]) -> dict:
     keys = ("time/step", "time/evaluate", "perf/generate_compute_s", "perf/score_compute_s", "perf/train_compute_s",
             "eval/heldout_accuracy")
     history = {k: {m.step: m.value for m in client.get_metric_history(result["mlflow_run_id"], k)} for k in keys}
-    return {"history": history, "wall_s": wall, "no_op_task_s": no_op_task_seconds()}
+    result = {"history": history, "wall_s": wall}
+    if no_op_task:
+        result["no_op_task_s"] = no_op_task_seconds()
+    return result
 
 
 TASKS_PER_STEP = 4  # an RLVR step without critic or reference: generate_and_score, compute_advantages, train, sync_weights
@@ -255,7 +259,7 @@ def orchestration_overhead() -> dict:
     rows, _ = quickstart_rows()
     model = build_model("tiny", Path(scratch_dir("model-q")) / "model", rows)
     flow = _flow("configs/quickstart.yaml", ["model.source=hf", f"model.path={model}", "sft=null", "train.steps=12",
-                                             "eval.every=0"])
+                                             "eval.every=0"], no_op_task=True)
     result = _overhead(flow["history"])
     floor = TASKS_PER_STEP * flow["no_op_task_s"] / result["step_s"]
     print(f"quickstart size: {result['step_s']:.3f} s/iter, orchestration share {result['overhead_share']:.3f} "
@@ -432,8 +436,8 @@ BENCHMARKS = {
 
 
 def main(argv: list[str]) -> None:
-    if argv[0] == "_flow":  # a flow run in its own process, for the benchmarks above
-        emit(run_flow_metrics(argv[1], argv[2:]))
+    if argv[0] in ("_flow", "_flow+no_op_task"):  # a flow run in its own process, for the benchmarks above
+        emit(run_flow_metrics(argv[1], argv[2:], no_op_task=argv[0] == "_flow+no_op_task"))
         return
     from bench.common import result_line
 
