@@ -117,12 +117,12 @@ class AdvantageSpec:
     kl_in_reward: bool = False
 
 
-def outcome_token_rewards(sequence_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def outcome_token_rewards(sequence_rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Place each sequence's reward on its last response token: [B] → [B, L]."""
-    last = (response_mask * torch.arange(response_mask.shape[1])).argmax(-1)  # [B]
-    token_rewards = torch.zeros_like(response_mask)
+    last = (loss_mask * torch.arange(loss_mask.shape[1])).argmax(-1)  # [B]
+    token_rewards = torch.zeros_like(loss_mask)
     token_rewards[torch.arange(len(last)), last] = sequence_rewards
-    return token_rewards * response_mask
+    return token_rewards * loss_mask
 
 
 def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor, spec: AdvantageSpec, *,
@@ -136,7 +136,7 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     are the running reward statistics, updated when ``shaping.reward_norm == "running"``.
     """
     batch = build_train_batch(rollouts, spec.pad_token_id)
-    width, mask = batch.input_ids.shape[1], batch.response_mask  # [B, L]
+    width, mask = batch.input_ids.shape[1], batch.loss_mask  # [B, L]
     old = old_logprobs[:, :width] if old_logprobs is not None else batch.tensors["rollout_logprobs"]
     shaped, moments = shape_sequence_rewards(rewards, rollouts.response_lengths, group_ids, spec.shaping, moments)
     token_rewards = outcome_token_rewards(shaped, mask)
@@ -152,7 +152,7 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
             summary["kl/coef"] = kl_coef
     if values is not None:
         tensors["values"] = values[:, :width] * mask
-    adv, returns = advantages.compute(spec.estimator, token_rewards=token_rewards, response_mask=mask,
+    adv, returns = advantages.compute(spec.estimator, token_rewards=token_rewards, loss_mask=mask,
                                       group_ids=group_ids, values=tensors.get("values"), **spec.options)
     adv = shape_advantages(adv, mask, spec.shaping)
     if spec.shaping.overlong_filter:  # DAPO: truncated samples carry no learning signal, drop them from the loss

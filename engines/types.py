@@ -53,7 +53,7 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # [B, L] int64
     attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
-    response_mask: torch.Tensor  # [B, L] float32, 1 on response tokens
+    loss_mask: torch.Tensor  # [B, L] float32, 1 on response tokens
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # per-token [B, L] floats: advantages, old_logprobs, ref_logprobs…
 
     def __len__(self) -> int:
@@ -66,7 +66,7 @@ class TrainBatch:
         return TrainBatch(
             input_ids=cut(self.input_ids),
             attention_mask=cut(self.attention_mask),
-            response_mask=cut(self.response_mask),
+            loss_mask=cut(self.loss_mask),
             tensors={k: cut(v) for k, v in self.tensors.items()},
         )
 
@@ -76,7 +76,7 @@ class TrainBatch:
             yield self.select(slice(start, start + size))
 
     def with_tensors(self, **tensors: torch.Tensor) -> "TrainBatch":
-        return TrainBatch(self.input_ids, self.attention_mask, self.response_mask, {**self.tensors, **tensors})
+        return TrainBatch(self.input_ids, self.attention_mask, self.loss_mask, {**self.tensors, **tensors})
 
 
 def build_train_batch(rollouts: Rollouts, pad_token_id: int) -> TrainBatch:

@@ -2,16 +2,16 @@
 
 Every estimator is a registered function with keyword-only arguments::
 
-    adv, ret = advantages.compute("grpo", token_rewards=R, response_mask=M, group_ids=G, values=None)
+    adv, ret = advantages.compute("grpo", token_rewards=R, loss_mask=M, group_ids=G, values=None)
 
 - ``token_rewards`` ``[B, L]``: reward per token; an outcome reward sits on the last response token,
   so a sequence's reward is ``(R * M).sum(-1)``.
-- ``response_mask`` ``[B, L]``: 1.0 on response tokens, 0 elsewhere.
+- ``loss_mask`` ``[B, L]``: 1.0 on response tokens, 0 elsewhere.
 - ``group_ids`` ``[B]`` int64: rows with the same id are completions of the same prompt; ids need not
   be contiguous or sorted.
 - ``values`` ``[B, L]`` or ``None``: critic values, for estimators that use one.
 
-Outputs are 0 outside ``response_mask`` and carry no gradient.
+Outputs are 0 outside ``loss_mask`` and carry no gradient.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def compute(
     name: str,
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # [B, L]
     **options: Any,
@@ -42,7 +42,7 @@ def compute(
     estimator = ADV_ESTIMATORS.get(name)
     return estimator(
         token_rewards=token_rewards,
-        response_mask=response_mask,
+        loss_mask=loss_mask,
         group_ids=group_ids,
         values=values,
         **options,
@@ -84,31 +84,31 @@ def group_max(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:  #
     return maxima[inverse]
 
 
-def sequence_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(token_rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """``r_i = sum_t R[i, t] * M[i, t]``, ``[B, L]`` → ``[B]``."""
-    return (token_rewards * response_mask).sum(dim=-1)
+    return (token_rewards * loss_mask).sum(dim=-1)
 
 
-def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """``G_t = R_t + gamma * G_{t+1}`` over the response, ``[B, L]`` → ``[B, L]`` (0 outside the mask).
 
     Vectorised over rows; one reverse pass over ``L``. Response tokens are contiguous, so the
     recursion runs through the (zero-reward) padding after a response without changing it.
     """
-    rewards = token_rewards * response_mask
+    rewards = token_rewards * loss_mask
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
         running = rewards[:, t] + gamma * running
         returns[:, t] = running
-    return returns * response_mask
+    return returns * loss_mask
 
 
 @register("grpo")
 def grpo(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused: GRPO has no critic
     norm_by_std: bool = True,
@@ -134,12 +134,12 @@ def grpo(
         ``(advantages, returns)``, each ``[B, L]``; for GRPO ``returns`` is ``advantages``.
     """
     with torch.no_grad():
-        scores = sequence_scores(token_rewards, response_mask)  # [B]
+        scores = sequence_scores(token_rewards, loss_mask)  # [B]
         mean, std = group_mean_std(scores, group_ids)  # [B], [B]
         seq_advantages = scores - mean  # [B]
         if norm_by_std:
             seq_advantages = seq_advantages / (std + eps)
-        advantages = seq_advantages.unsqueeze(-1) * response_mask  # [B, L]
+        advantages = seq_advantages.unsqueeze(-1) * loss_mask  # [B, L]
     return advantages, advantages
 
 
@@ -147,7 +147,7 @@ def grpo(
 def dr_grpo(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,14 +158,14 @@ def dr_grpo(
     GRPO without the std division. The other half of the fix, no per-sequence length normalisation,
     is the loss aggregation ``seq-mean-token-sum-norm`` (set in ``configs/algorithms/dr_grpo.yaml``).
     """
-    return grpo(token_rewards=token_rewards, response_mask=response_mask, group_ids=group_ids, norm_by_std=False)
+    return grpo(token_rewards=token_rewards, loss_mask=loss_mask, group_ids=group_ids, norm_by_std=False)
 
 
 @register("rloo")
 def rloo(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,13 +177,13 @@ def rloo(
     A group of one has no other sample to compare with and gets advantage 0.
     """
     with torch.no_grad():
-        scores = sequence_scores(token_rewards, response_mask)  # [B]
+        scores = sequence_scores(token_rewards, loss_mask)  # [B]
         _, inverse = torch.unique(group_ids, return_inverse=True)
         counts = torch.bincount(inverse).to(scores.dtype)[inverse]  # [B] n_g
         sums = torch.zeros_like(scores).index_add_(0, inverse, scores)[inverse]  # [B]
         baseline = (sums - scores) / (counts - 1).clamp(min=1)  # [B]
         seq_advantages = torch.where(counts > 1, scores - baseline, torch.zeros_like(scores))
-        advantages = seq_advantages.unsqueeze(-1) * response_mask
+        advantages = seq_advantages.unsqueeze(-1) * loss_mask
     return advantages, advantages
 
 
@@ -191,7 +191,7 @@ def rloo(
 def reinforce_pp(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B], unused: REINFORCE++ has no group baseline
     values: torch.Tensor | None = None,  # unused
     gamma: float = 1.0,
@@ -213,8 +213,8 @@ def reinforce_pp(
         ``(advantages, returns)`` with ``returns = G`` (not whitened).
     """
     with torch.no_grad():
-        returns = discounted_returns(token_rewards, response_mask, gamma)
-        advantages = masked_whiten(returns, response_mask) if whiten else returns
+        returns = discounted_returns(token_rewards, loss_mask, gamma)
+        advantages = masked_whiten(returns, loss_mask) if whiten else returns
     return advantages, returns
 
 
@@ -222,7 +222,7 @@ def reinforce_pp(
 def reinforce_pp_baseline(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
     gamma: float = 1.0,
@@ -237,10 +237,10 @@ def reinforce_pp_baseline(
     GRPO's per-group std, which is unstable for small groups.
     """
     with torch.no_grad():
-        returns = discounted_returns(token_rewards, response_mask, gamma)
-        mean, _ = group_mean_std(sequence_scores(token_rewards, response_mask), group_ids)
-        centred = (returns - mean.unsqueeze(-1)) * response_mask
-        advantages = masked_whiten(centred, response_mask) if whiten else centred
+        returns = discounted_returns(token_rewards, loss_mask, gamma)
+        mean, _ = group_mean_std(sequence_scores(token_rewards, loss_mask), group_ids)
+        centred = (returns - mean.unsqueeze(-1)) * loss_mask
+        advantages = masked_whiten(centred, loss_mask) if whiten else centred
     return advantages, returns
 
 
@@ -248,7 +248,7 @@ def reinforce_pp_baseline(
 def lite_ppo(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
     eps: float = 1e-6,
@@ -262,10 +262,10 @@ def lite_ppo(
     Paired with token-level loss aggregation (``token-mean``) in ``configs/algorithms/lite_ppo.yaml``.
     """
     with torch.no_grad():
-        scores = sequence_scores(token_rewards, response_mask)
+        scores = sequence_scores(token_rewards, loss_mask)
         mean, _ = group_mean_std(scores, group_ids)
         std = scores.std() if scores.numel() > 1 else torch.tensor(1.0)
-        advantages = ((scores - mean) / (std + eps)).unsqueeze(-1) * response_mask
+        advantages = ((scores - mean) / (std + eps)).unsqueeze(-1) * loss_mask
     return advantages, advantages
 
 
@@ -273,7 +273,7 @@ def lite_ppo(
 def raft_pp(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
     threshold: float = 0.0,
@@ -288,9 +288,9 @@ def raft_pp(
     comes from the ``ppo_clip`` loss it is paired with in ``configs/algorithms/raft_pp.yaml``.
     """
     with torch.no_grad():
-        scores = sequence_scores(token_rewards, response_mask)
+        scores = sequence_scores(token_rewards, loss_mask)
         accepted = (scores >= group_max(scores, group_ids)) & (scores > threshold)
-        advantages = accepted.to(token_rewards.dtype).unsqueeze(-1) * response_mask
+        advantages = accepted.to(token_rewards.dtype).unsqueeze(-1) * loss_mask
     return advantages, advantages
 
 
@@ -298,7 +298,7 @@ def raft_pp(
 def topr(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B], unused
     values: torch.Tensor | None = None,  # unused
     baseline: float = 0.0,
@@ -317,9 +317,9 @@ def topr(
     applies no importance ratio to positive samples and a ratio truncated to ``[0, 1]`` to negative ones.
     """
     with torch.no_grad():
-        signed = sequence_scores(token_rewards, response_mask) - baseline
+        signed = sequence_scores(token_rewards, loss_mask) - baseline
         weighted = torch.where(signed >= 0, positive_weight * signed, negative_weight * signed)
-        advantages = weighted.unsqueeze(-1) * response_mask
+        advantages = weighted.unsqueeze(-1) * loss_mask
     return advantages, advantages
 
 
@@ -327,7 +327,7 @@ def topr(
 def gae(
     *,
     token_rewards: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B], unused
     values: torch.Tensor | None = None,  # [B, L] critic values V(s_t), aligned with the tokens
     gamma: float = 1.0,
@@ -353,7 +353,7 @@ def gae(
     if values is None:
         raise ValueError("gae needs critic values (values=...); the flow passes them when algorithm.advantage=gae")
     with torch.no_grad():
-        mask = response_mask
+        mask = loss_mask
         rewards, values = token_rewards * mask, values * mask
         next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # [B, L]: V_{t+1} (0 beyond the response)
         next_mask = torch.nn.functional.pad(mask[:, 1:], (0, 1))  # [B, L]

@@ -4,7 +4,7 @@ Every registered loss returns the per-token loss ``[B, L]`` and its metrics; ``c
 optional truncated importance-sampling correction and reduces with an ``aggregation`` mode::
 
     loss, metrics = losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A,
-                                   response_mask=M, agg="token-mean", clip_low=0.2, clip_high=0.28)
+                                   loss_mask=M, agg="token-mean", clip_low=0.2, clip_high=0.28)
 
 Positions outside ``M`` get log-ratio 0 before any ``exp``, so padding can never make an inf or NaN.
 ``metrics`` holds detached python floats under ``actor/...`` (token-means over ``M``) and, when rollout
@@ -38,7 +38,7 @@ def compute(
     logprobs: torch.Tensor,  # [B, L] log pi_theta(o_t), requires grad
     old_logprobs: torch.Tensor,  # [B, L] log pi_old(o_t), the policy the advantages belong to
     advantages: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     agg: str = "token-mean",
     agg_options: dict[str, Any] | None = None,
     rollout_logprobs: torch.Tensor | None = None,  # [B, L] log pi_rollout(o_t), the inference engine's
@@ -60,18 +60,18 @@ def compute(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
         advantages=advantages,
-        response_mask=response_mask,
+        loss_mask=loss_mask,
         **options,
     )
     if rollout_logprobs is not None:
-        metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, response_mask))
+        metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask))
     if tis_cap > 0:
         if rollout_logprobs is None:
             raise ValueError("tis_cap > 0 needs rollout_logprobs (the inference engine's logprobs)")
-        weights = truncated_is_weights(old_logprobs, rollout_logprobs, response_mask, cap=tis_cap)
+        weights = truncated_is_weights(old_logprobs, rollout_logprobs, loss_mask, cap=tis_cap)
         token_losses = token_losses * weights
-        metrics["actor/tis_weight_mean"] = _token_mean(weights, response_mask)
-    loss = aggregation.aggregate(agg, values=token_losses, mask=response_mask, **(agg_options or {}))
+        metrics["actor/tis_weight_mean"] = _token_mean(weights, loss_mask)
+    loss = aggregation.aggregate(agg, values=token_losses, mask=loss_mask, **(agg_options or {}))
     metrics["actor/pg_loss"] = float(loss.detach())
     return loss, metrics
 
@@ -116,7 +116,7 @@ def ppo_clip(
     logprobs: torch.Tensor,  # [B, L]
     old_logprobs: torch.Tensor,  # [B, L]
     advantages: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float = 0.0,
@@ -138,7 +138,7 @@ def ppo_clip(
     """
     if dual_clip and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {dual_clip}")
-    log_ratio = _masked_log_ratio(logprobs, old_logprobs, response_mask)  # [B, L]
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)  # [B, L]
     ratio = torch.exp(log_ratio)  # [B, L]
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -150,10 +150,10 @@ def ppo_clip(
         pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses, pg_losses3), pg_losses)
     with torch.no_grad():
         metrics = {
-            "actor/clipfrac": _token_mean((pg_losses2 > pg_losses1).float(), response_mask),
-            "actor/dual_clipfrac": _token_mean(dual_clipped.float(), response_mask),
-            "actor/approx_kl": _token_mean(0.5 * log_ratio.square(), response_mask),
-            "actor/ratio_mean": _token_mean(ratio, response_mask),
+            "actor/clipfrac": _token_mean((pg_losses2 > pg_losses1).float(), loss_mask),
+            "actor/dual_clipfrac": _token_mean(dual_clipped.float(), loss_mask),
+            "actor/approx_kl": _token_mean(0.5 * log_ratio.square(), loss_mask),
+            "actor/ratio_mean": _token_mean(ratio, loss_mask),
         }
     return pg_losses, metrics
 
@@ -164,7 +164,7 @@ def gspo(
     logprobs: torch.Tensor,  # [B, L]
     old_logprobs: torch.Tensor,  # [B, L]
     advantages: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -180,17 +180,17 @@ def gspo(
 
     Metrics: ``actor/clipfrac`` (fraction of sequences clipped), ``actor/seq_ratio_mean``.
     """
-    log_ratio = _masked_log_ratio(logprobs, old_logprobs, response_mask)  # [B, L]
-    lengths = response_mask.sum(-1).clamp(min=1)  # [B]
-    seq_log_ratio = ((log_ratio * response_mask).sum(-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)  # [B, L]
+    lengths = loss_mask.sum(-1).clamp(min=1)  # [B]
+    seq_log_ratio = ((log_ratio * loss_mask).sum(-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()  # [B, L]
-    ratio = torch.exp(torch.where(response_mask > 0, token_log_ratio, torch.zeros_like(token_log_ratio)))
+    ratio = torch.exp(torch.where(loss_mask > 0, token_log_ratio, torch.zeros_like(token_log_ratio)))
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
     with torch.no_grad():
-        has_tokens = (response_mask.sum(-1) > 0).float()  # [B]
-        seq_clipped = ((pg_losses2 > pg_losses1).float() * response_mask).amax(-1)  # [B]
+        has_tokens = (loss_mask.sum(-1) > 0).float()  # [B]
+        seq_clipped = ((pg_losses2 > pg_losses1).float() * loss_mask).amax(-1)  # [B]
         metrics = {
             "actor/clipfrac": float((seq_clipped * has_tokens).sum() / has_tokens.sum().clamp(min=1)),
             "actor/seq_ratio_mean": float((seq_log_ratio.exp() * has_tokens).sum() / has_tokens.sum().clamp(min=1)),
@@ -204,7 +204,7 @@ def topr(
     logprobs: torch.Tensor,  # [B, L]
     old_logprobs: torch.Tensor,  # [B, L]
     advantages: torch.Tensor,  # [B, L]
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Tapered Off-Policy REINFORCE (Le Roux et al. 2025, arXiv:2503.14286, eq. 9)::
 
@@ -219,11 +219,11 @@ def topr(
 
     Metrics: ``actor/negative_frac`` (share of rows with ``A < 0``), ``actor/negative_weight_mean``.
     """
-    log_ratio = _masked_log_ratio(logprobs, old_logprobs, response_mask)
-    seq_log_ratio = (log_ratio * response_mask).sum(-1).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
-    negative = (advantages * response_mask).sum(-1) < 0  # [B]
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)
+    seq_log_ratio = (log_ratio * loss_mask).sum(-1).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
+    negative = (advantages * loss_mask).sum(-1) < 0  # [B]
     weights = torch.where(negative, seq_log_ratio.exp().clamp(max=1.0), torch.ones_like(seq_log_ratio))  # [B]
-    masked_logprobs = torch.where(response_mask > 0, logprobs, torch.zeros_like(logprobs))
+    masked_logprobs = torch.where(loss_mask > 0, logprobs, torch.zeros_like(logprobs))
     pg_losses = -weights.unsqueeze(-1) * advantages * masked_logprobs
     with torch.no_grad():
         metrics = {
@@ -238,7 +238,7 @@ def value_loss(
     values: torch.Tensor,  # [B, L] V_phi(s_t), requires grad
     old_values: torch.Tensor,  # [B, L] the critic's values when the rollout was scored
     returns: torch.Tensor,  # [B, L] regression targets (GAE returns)
-    response_mask: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
     clip_range: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped value loss (Schulman et al. 2017; as in OpenAI baselines ``ppo2``), per token::
@@ -254,14 +254,14 @@ def value_loss(
         clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
         losses_clipped = (clipped_values - returns).square()
         token_losses = 0.5 * torch.maximum(losses_unclipped, losses_clipped)
-        clipfrac = _token_mean((losses_clipped > losses_unclipped).float(), response_mask)
+        clipfrac = _token_mean((losses_clipped > losses_unclipped).float(), loss_mask)
     else:
         token_losses, clipfrac = 0.5 * losses_unclipped, 0.0
     with torch.no_grad():
-        mask = response_mask > 0
+        mask = loss_mask > 0
         target, predicted = returns[mask], values[mask]
         explained = 1.0 - float((target - predicted).var() / target.var()) if mask.sum() > 1 and target.var() > 0 else 0.0
-        metrics = {"critic/vf_clipfrac": clipfrac, "critic/vpred_mean": _token_mean(values, response_mask),
+        metrics = {"critic/vf_clipfrac": clipfrac, "critic/vpred_mean": _token_mean(values, loss_mask),
                    "critic/explained_variance": explained}
     return token_losses, metrics
 

@@ -18,7 +18,7 @@ from engines.types import TrainBatch
 def micro_weight(agg: str, micro: TrainBatch, full: TrainBatch) -> float:
     """Share of the full-batch aggregate that ``micro`` contributes: tokens for token-mean, rows otherwise."""
     if agg == "token-mean":
-        return float(micro.response_mask.sum() / full.response_mask.sum().clamp(min=1))
+        return float(micro.loss_mask.sum() / full.loss_mask.sum().clamp(min=1))
     return len(micro) / len(full)
 
 
@@ -41,13 +41,13 @@ class PolicyObjective:
     entropy_coef: float = 0.0
 
     def __call__(self, *, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch):
-        mask = batch.response_mask  # [B, L]
+        mask = batch.loss_mask  # [B, L]
         loss, metrics = losses.compute(
             self.policy_loss,
             logprobs=logprobs,
             old_logprobs=batch.tensors["old_logprobs"],
             advantages=batch.tensors["advantages"],
-            response_mask=mask,
+            loss_mask=mask,
             agg=self.agg,
             agg_options=self.agg_options,
             rollout_logprobs=batch.tensors.get("rollout_logprobs"),
@@ -79,7 +79,7 @@ class PolicyObjective:
         as it would have (AdamW's moments and weight decay)."""
         if self.kl_coef or self.entropy_coef or self.policy_loss not in losses.ZERO_AT_ZERO_ADVANTAGE:
             return None
-        moving = ((batch.tensors["advantages"] != 0) & (batch.response_mask > 0)).any(-1)  # [B]
+        moving = ((batch.tensors["advantages"] != 0) & (batch.loss_mask > 0)).any(-1)  # [B]
         if bool(moving.all()):
             return None
         rows = moving.nonzero().squeeze(-1)
@@ -97,9 +97,9 @@ class ValueObjective:
 
     def __call__(self, *, values: torch.Tensor, batch: TrainBatch):
         token_losses, metrics = losses.value_loss(values=values, old_values=batch.tensors["values"],
-                                                  returns=batch.tensors["returns"], response_mask=batch.response_mask,
+                                                  returns=batch.tensors["returns"], loss_mask=batch.loss_mask,
                                                   clip_range=self.clip_range)
-        loss = aggregation.aggregate(self.agg, values=token_losses, mask=batch.response_mask)
+        loss = aggregation.aggregate(self.agg, values=token_losses, mask=batch.loss_mask)
         metrics["critic/vf_loss"] = float(loss.detach())
         return loss, metrics
 
@@ -114,10 +114,10 @@ class SFTObjective:
     agg: str = "token-mean"
 
     def __call__(self, *, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch):
-        nll = aggregation.aggregate(self.agg, values=-logprobs, mask=batch.response_mask)
+        nll = aggregation.aggregate(self.agg, values=-logprobs, mask=batch.loss_mask)
         metrics = {"sft/nll": float(nll.detach())}
         if entropy is not None:
-            metrics["sft/entropy"] = float(aggregation.aggregate(self.agg, values=entropy.detach(), mask=batch.response_mask))
+            metrics["sft/entropy"] = float(aggregation.aggregate(self.agg, values=entropy.detach(), mask=batch.loss_mask))
         return nll, metrics
 
     def micro_weight(self, micro: TrainBatch, full: TrainBatch) -> float:

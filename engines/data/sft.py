@@ -25,9 +25,9 @@ def sft_batch(tokenizer_path: str, prompts: list[str], targets: list[str]) -> Tr
     width = max(len(p) + len(t) for p, t in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    response_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, (p, t) in enumerate(rows):
         input_ids[i, : len(p) + len(t)] = torch.tensor(p + t)
         attention_mask[i, : len(p) + len(t)] = 1
-        response_mask[i, len(p) : len(p) + len(t)] = 1.0
-    return TrainBatch(input_ids, attention_mask, response_mask)
+        loss_mask[i, len(p) : len(p) + len(t)] = 1.0
+    return TrainBatch(input_ids, attention_mask, loss_mask)

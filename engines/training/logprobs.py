@@ -239,7 +239,7 @@ def batched_logprobs(model: torch.nn.Module, batch: TrainBatch, micro_batch_size
     With ``packing`` only the response tokens get logprobs (0 elsewhere), computed without padding (and
     with ``share_prompts`` one copy of each group's prompt)."""
     if packing:
-        return _batched(lambda m: packed_token_logprobs(model, m.input_ids, m.attention_mask, m.response_mask,
+        return _batched(lambda m: packed_token_logprobs(model, m.input_ids, m.attention_mask, m.loss_mask,
                                                         temperature=temperature, share_prefixes=share_prompts)[0],
                         batch, micro_batch_size)
     return _batched(lambda m: token_logprobs(model, m.input_ids, m.attention_mask, temperature=temperature)[0],

@@ -75,7 +75,7 @@ class TorchTrainEngine:
     The loss function receives ``logprobs`` and ``entropy`` (policy) or ``values`` (critic), each
     ``[b, l]`` for one micro-batch, plus the micro-batch itself. With ``packing`` the policy's forward
     runs on the micro-batch's sequences packed without padding, and logprobs/entropy are computed at
-    response tokens only (0 elsewhere; every objective masks with ``response_mask``)."""
+    response tokens only (0 elsewhere; every objective masks with ``loss_mask``)."""
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
                  torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
@@ -121,7 +121,7 @@ class TorchTrainEngine:
             return {"values": token_values(self.model, micro.input_ids, micro.attention_mask)}
         if self.packing:
             logprobs, entropy = packed_token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                                      micro.response_mask, temperature=self.temperature, with_entropy=True,
+                                                      micro.loss_mask, temperature=self.temperature, with_entropy=True,
                                                       share_prefixes=self.share_prompts)
         else:
             logprobs, entropy = token_logprobs(

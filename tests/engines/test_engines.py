@@ -55,8 +55,8 @@ def test_trainer_logprobs_match_rollout_logprobs_after_sync(tiny_model_dir, temp
     assert checksum == trainer.weights_checksum() and rollout.weights_version() == 1
     out = rollout.generate(PROMPTS * 3, SamplingParams(max_new_tokens=6, temperature=temperature, top_k=20, seed=1))
     batch = build_train_batch(out, rollout.tokenizer.pad_token_id)
-    diff = (trainer.logprobs(batch) - batch.tensors["rollout_logprobs"]) * batch.response_mask
-    assert batch.response_mask.sum() > 12
+    diff = (trainer.logprobs(batch) - batch.tensors["rollout_logprobs"]) * batch.loss_mask
+    assert batch.loss_mask.sum() > 12
     assert diff.abs().max() < 1e-4
 
 
@@ -71,7 +71,7 @@ def test_build_train_batch_layout():
     batch = build_train_batch(rollouts, pad_token_id=9)
     assert batch.input_ids.tolist() == [[5, 6, 7, 11, 12], [8, 13, 14, 15, 9], [16, 9, 9, 9, 9]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
-    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
     expected = -torch.tensor([[0, 0, 0, 0.1, 0.2], [0, 0.3, 0.4, 0.5, 0], [0.6, 0, 0, 0, 0]])
     assert torch.allclose(batch.tensors["rollout_logprobs"], expected)
 
@@ -136,7 +136,7 @@ def test_sft_lowers_the_loss(tiny_model_dir):
     for _ in range(30):
         last = trainer.train_step(batch, SFTObjective())["sft/nll"]
     assert last < 0.5 * first
-    assert (batch.response_mask.sum(-1) == torch.tensor([2, 3, 2, 3])).all()  # answer digits + EOS
+    assert (batch.loss_mask.sum(-1) == torch.tensor([2, 3, 2, 3])).all()  # answer digits + EOS
 
 
 @pytest.mark.ray
@@ -156,11 +156,11 @@ def test_actors_sync_and_agree_through_ray(tiny_model_dir, ray_cluster):
     assert out.weights_version == 5
     built = build_train_batch(out, 0)
     lp = ray.get(trainer.logprobs.remote(built))
-    assert ((lp - built.tensors["rollout_logprobs"]) * built.response_mask).abs().max() < 1e-4
+    assert ((lp - built.tensors["rollout_logprobs"]) * built.loss_mask).abs().max() < 1e-4
     # the frozen reference still scores with the initial weights, so it disagrees after training
     reference = start_engine("reference/torch", run_name="t-engines", role="reference", model_path=tiny_model_dir)
     ref_lp = ray.get(reference.rollout_logprobs.remote(out))
-    assert ((ref_lp - built.tensors["rollout_logprobs"]) * built.response_mask).abs().max() > 1e-3
+    assert ((ref_lp - built.tensors["rollout_logprobs"]) * built.loss_mask).abs().max() > 1e-3
     for handle in (rollout, trainer, reference):
         stop_engine(handle)
 
@@ -171,7 +171,7 @@ def test_entropy_bonus_is_the_only_gradient_when_advantages_are_zero(tiny_model_
     rollout = HFInferenceEngine(tiny_model_dir)
     out = rollout.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=0))
     batch = build_train_batch(out, rollout.tokenizer.pad_token_id)
-    batch = batch.with_tensors(advantages=torch.zeros_like(batch.response_mask),
+    batch = batch.with_tensors(advantages=torch.zeros_like(batch.loss_mask),
                                old_logprobs=batch.tensors["rollout_logprobs"])
     norms = {}
     for coef in (0.0, 0.1):
@@ -214,7 +214,7 @@ def test_critic_starts_at_zero_and_regresses_toward_the_returns(tiny_model_dir):
     assert values.shape == build_train_batch(rollouts, 0).input_ids.shape
     assert (values == 0).all()  # zero-initialised head: no noise in the first advantages
     batch = build_train_batch(rollouts, 0)
-    returns = batch.response_mask * 0.5  # regress every response token toward 0.5
+    returns = batch.loss_mask * 0.5  # regress every response token toward 0.5
     batch = batch.with_tensors(values=values, returns=returns)
     objective = ValueObjective(clip_range=0.0)
     first = critic.train_step(batch, objective)
@@ -224,7 +224,7 @@ def test_critic_starts_at_zero_and_regresses_toward_the_returns(tiny_model_dir):
     assert first["critic/vf_loss"] == pytest.approx(0.125, rel=1e-5)
     assert last["critic/vf_loss"] < 0.02 and "train/loss" not in last
     after = critic.rollout_values(rollouts)
-    mask = batch.response_mask.bool()
+    mask = batch.loss_mask.bool()
     assert abs(after[mask].mean() - 0.5) < 0.15  # from 0.5 away at the start
 
 
@@ -236,10 +236,10 @@ def test_value_clipping_bounds_the_update(tiny_model_dir):
     for clip_range in (0.0, 0.2):
         critic = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-3), head="value", micro_batch_size=4)
         batch = build_train_batch(rollouts, 0)
-        batch = batch.with_tensors(values=critic.rollout_values(rollouts), returns=batch.response_mask * 5.0)
+        batch = batch.with_tensors(values=critic.rollout_values(rollouts), returns=batch.loss_mask * 5.0)
         for _ in range(15):  # old values stay 0: with clipping, the gradient stops once |V - 0| > 0.2
             critic.train_step(batch, ValueObjective(clip_range=clip_range))
-        moved[clip_range] = float(critic.rollout_values(rollouts)[batch.response_mask.bool()].mean())
+        moved[clip_range] = float(critic.rollout_values(rollouts)[batch.loss_mask.bool()].mean())
     # Measured: 0.95 unclipped vs 0.54 clipped (Adam's momentum carries the clipped critic a little past 0.2).
     assert moved[0.0] > 1.5 * moved[0.2] > 0
 
@@ -249,7 +249,7 @@ def test_trainer_rollout_logprobs_match_the_rollout_engine(tiny_model_dir):
     rollouts = HFInferenceEngine(tiny_model_dir).generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=1))
     batch = build_train_batch(rollouts, 0)
     recomputed = trainer.rollout_logprobs(rollouts)
-    mask = batch.response_mask.bool()
+    mask = batch.loss_mask.bool()
     assert (recomputed[mask] - batch.tensors["rollout_logprobs"][mask]).abs().max() < 1e-4
 
 

@@ -387,8 +387,8 @@ def test_zero_advantage_rows_are_skipped_with_the_same_loss_and_gradient(tiny_mo
     advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(0))
     for group in zero_groups:
         advantages[4 * group : 4 * group + 4] = 0.0
-    batch = batch.with_tensors(advantages=advantages[:, None] * batch.response_mask,
-                               old_logprobs=batch.tensors["rollout_logprobs"] - 0.05 * batch.response_mask)
+    batch = batch.with_tensors(advantages=advantages[:, None] * batch.loss_mask,
+                               old_logprobs=batch.tensors["rollout_logprobs"] - 0.05 * batch.loss_mask)
     objective = PolicyObjective(agg=agg)
     engines = [TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-3), micro_batch_size=3) for _ in range(2)]
     skipped = engines[0].train_step(batch, objective)

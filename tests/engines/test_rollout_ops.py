@@ -35,7 +35,7 @@ def test_grpo_batch_layout_and_old_logprobs_default_to_the_rollout_engine():
                                         AdvantageSpec("grpo", pad_token_id=0))
     # Row 0: prompt [0, 2), response [2, 4). Group 0 rewards (1, 0): mean 0.5, std 0.7071 -> A = ±0.7071.
     # Group 1 rewards (1, 1): A = 0.
-    assert batch.response_mask[0].tolist() == [0, 0, 1, 1, 0]
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 0]
     torch.testing.assert_close(batch.tensors["advantages"][:, 2], torch.tensor([0.70710, -0.70710, 0.0, 0.0]), atol=1e-4, rtol=0)
     assert (batch.tensors["old_logprobs"] == batch.tensors["rollout_logprobs"]).all()
     assert batch.tensors["old_logprobs"][0].tolist() == [0, 0, -1, -1, 0]
@@ -72,7 +72,7 @@ def test_overlong_penalty_then_group_norm_then_filter():
     # Shaped rewards 1, 0.5, 0, 0: mean 0.375 -> A = 0.625, 0.125, -0.375, -0.375; row 2 is truncated: masked out.
     assert summary["reward/shaped_mean"] == pytest.approx(0.375)
     assert batch.tensors["advantages"][:, 2].tolist() == pytest.approx([0.625, 0.125, 0.0, -0.375])
-    assert batch.response_mask[2].sum() == 0 and summary["shaping/overlong_filtered_frac"] == pytest.approx(0.25)
+    assert batch.loss_mask[2].sum() == 0 and summary["shaping/overlong_filtered_frac"] == pytest.approx(0.25)
 
 
 def test_running_norm_moments_carry_across_calls():

@@ -26,7 +26,7 @@ def test_names():
 
 
 def test_hand_worked_loss_and_metrics():
-    loss, metrics = losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, response_mask=M)
+    loss, metrics = losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, loss_mask=M)
     assert loss.item() == pytest.approx(-0.8, rel=1e-6)
     assert metrics == pytest.approx(
         {
@@ -43,7 +43,7 @@ def test_hand_worked_loss_and_metrics():
 
 def test_gradient_flows_only_through_unclipped_tokens():
     lp = LP.clone().requires_grad_(True)
-    loss, _ = losses.compute("ppo_clip", logprobs=lp, old_logprobs=OLP, advantages=A, response_mask=M)
+    loss, _ = losses.compute("ppo_clip", logprobs=lp, old_logprobs=OLP, advantages=A, loss_mask=M)
     loss.backward()
     # Clipped t0, t1 and masked t3 get 0; t2: d/dLP (-A * exp(LP - OLP)) / 3 = -2 * 1 / 3 = -0.66667.
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0, -2 / 3, 0.0]]))
@@ -68,7 +68,7 @@ def test_clipping_per_sign(adv, log_ratio, expected_tok_loss, clipped):
         logprobs=torch.tensor([[log_ratio]]),
         old_logprobs=torch.zeros(1, 1),
         advantages=torch.tensor([[adv]]),
-        response_mask=torch.ones(1, 1),
+        loss_mask=torch.ones(1, 1),
     )
     assert loss.item() == pytest.approx(expected_tok_loss, rel=1e-6)
     assert metrics["actor/clipfrac"] == (1.0 if clipped else 0.0)
@@ -78,7 +78,7 @@ def test_asymmetric_clip_higher():
     # clip_high = 0.28: t0's ratio 1.64872 is capped at 1.28 -> -1.28; t1 capped below at 1 - 0.2 = 0.8.
     # token-mean = (-1.28 + 0.8 - 2) / 3 = -0.82667
     loss, _ = losses.compute(
-        "ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, response_mask=M, clip_low=0.2, clip_high=0.28
+        "ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, loss_mask=M, clip_low=0.2, clip_high=0.28
     )
     assert loss.item() == pytest.approx(-2.48 / 3, rel=1e-6)
 
@@ -90,7 +90,7 @@ def test_agg_mode_and_options_are_passed_through():
     olp = torch.zeros(2, 4)
     adv = torch.cat([A, torch.tensor([[1.0, 0.0, 0.0, 0.0]])])
     mask = torch.cat([M, torch.tensor([[1.0, 0.0, 0.0, 0.0]])])
-    kwargs = dict(logprobs=lp, old_logprobs=olp, advantages=adv, response_mask=mask)
+    kwargs = dict(logprobs=lp, old_logprobs=olp, advantages=adv, loss_mask=mask)
     # seq-mean-token-mean: row means [-2.4 / 3 = -0.8, -1] -> -0.9
     loss, metrics = losses.compute("ppo_clip", agg="seq-mean-token-mean", **kwargs)
     assert loss.item() == pytest.approx(-0.9, rel=1e-6)
@@ -125,7 +125,7 @@ def test_matches_loop_reference():
     lengths = torch.randint(1, L + 1, (B,), generator=gen)
     mask = (torch.arange(L)[None, :] < lengths[:, None]).to(torch.float64)
     loss, metrics = losses.compute(
-        "ppo_clip", logprobs=lp, old_logprobs=olp, advantages=adv, response_mask=mask, clip_low=0.2, clip_high=0.3
+        "ppo_clip", logprobs=lp, old_logprobs=olp, advantages=adv, loss_mask=mask, clip_low=0.2, clip_high=0.3
     )
     expected_loss, expected_clipfrac = _loop_reference(
         lp.tolist(), olp.tolist(), adv.tolist(), mask.tolist(), clip_low=0.2, clip_high=0.3
@@ -138,9 +138,9 @@ def test_matches_loop_reference():
 def test_outside_mask_never_matters():
     # Changing LP, OLP and A on the masked-out t3 (to huge values) changes nothing, and gives no NaN.
     outside = torch.tensor([[0.0, 0.0, 0.0, 1e4]])
-    loss_a, metrics_a = losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, response_mask=M)
+    loss_a, metrics_a = losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, loss_mask=M)
     loss_b, metrics_b = losses.compute(
-        "ppo_clip", logprobs=LP + outside, old_logprobs=OLP - outside, advantages=A + outside, response_mask=M
+        "ppo_clip", logprobs=LP + outside, old_logprobs=OLP - outside, advantages=A + outside, loss_mask=M
     )
     assert torch.isfinite(loss_b)
     assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-6)
@@ -149,12 +149,12 @@ def test_outside_mask_never_matters():
 
 def test_unknown_name_lists_names():
     with pytest.raises(KeyError, match="ppo_clip"):
-        losses.compute("ppo", logprobs=LP, old_logprobs=OLP, advantages=A, response_mask=M)
+        losses.compute("ppo", logprobs=LP, old_logprobs=OLP, advantages=A, loss_mask=M)
 
 
 def test_unknown_option_is_type_error():
     with pytest.raises(TypeError, match="clip_ratio"):
-        losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, response_mask=M, clip_ratio=0.2)
+        losses.compute("ppo_clip", logprobs=LP, old_logprobs=OLP, advantages=A, loss_mask=M, clip_ratio=0.2)
 
 
 # -- shared helpers -------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ DUAL_A = torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64)
 def test_dual_clip_hand_worked():
     lp = DUAL_LP.clone().requires_grad_(True)
     loss, metrics = losses.compute("ppo_clip", logprobs=lp, old_logprobs=torch.zeros_like(DUAL_LP), advantages=DUAL_A,
-                                   response_mask=torch.ones_like(DUAL_LP), dual_clip=3.0)
+                                   loss_mask=torch.ones_like(DUAL_LP), dual_clip=3.0)
     assert loss.item() == pytest.approx(3.8 / 3, rel=1e-12)
     assert metrics["actor/clipfrac"] == pytest.approx(1 / 3)
     assert metrics["actor/dual_clipfrac"] == pytest.approx(1 / 3)
@@ -221,7 +221,7 @@ def test_dual_clip_hand_worked():
     torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 2 / 3, 0.0]], dtype=torch.float64))
     # Without dual_clip, t0 keeps its unbounded 5: (5 + 2 - 1.2) / 3 = 1.933333.
     loss, metrics = losses.compute("ppo_clip", logprobs=DUAL_LP, old_logprobs=torch.zeros_like(DUAL_LP),
-                                   advantages=DUAL_A, response_mask=torch.ones_like(DUAL_LP))
+                                   advantages=DUAL_A, loss_mask=torch.ones_like(DUAL_LP))
     assert loss.item() == pytest.approx(5.8 / 3, rel=1e-12)
     assert metrics["actor/dual_clipfrac"] == 0.0
 
@@ -230,7 +230,7 @@ def test_dual_clip_hand_worked():
 def test_dual_clip_at_most_one_raises(dual_clip):
     with pytest.raises(ValueError, match="dual_clip"):
         losses.compute("ppo_clip", logprobs=DUAL_LP, old_logprobs=torch.zeros_like(DUAL_LP), advantages=DUAL_A,
-                       response_mask=torch.ones_like(DUAL_LP), dual_clip=dual_clip)
+                       loss_mask=torch.ones_like(DUAL_LP), dual_clip=dual_clip)
 
 
 def _ppo_loop(lp, olp, adv, mask, clip_low, clip_high, dual_clip):
@@ -263,7 +263,7 @@ def test_ppo_clip_with_dual_clip_matches_loop_reference(dual_clip):
     lp, olp, _, adv, mask = _random_policy_batch(20, B=12, L=11)
     lp = olp + 0.8 * (lp - olp)  # wider ratios so that dual-clip (ratio > dual_clip) happens
     lp.requires_grad_(True)
-    loss, metrics = losses.compute("ppo_clip", logprobs=lp, old_logprobs=olp, advantages=adv, response_mask=mask,
+    loss, metrics = losses.compute("ppo_clip", logprobs=lp, old_logprobs=olp, advantages=adv, loss_mask=mask,
                                    clip_low=0.2, clip_high=0.28, dual_clip=dual_clip)
     tok, grad, exp_metrics, count = _ppo_loop(lp.tolist(), olp.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, dual_clip)
     if dual_clip == 1.5:
@@ -291,7 +291,7 @@ GSPO_M = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]], dtype=torch.
 def test_gspo_hand_worked():
     lp = GSPO_LP.clone().requires_grad_(True)
     loss, metrics = losses.compute("gspo", logprobs=lp, old_logprobs=GSPO_OLP, advantages=GSPO_A,
-                                   response_mask=GSPO_M, agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.2)
+                                   loss_mask=GSPO_M, agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.2)
     s0, s1 = math.exp(0.2), math.exp(-0.1)
     assert loss.item() == pytest.approx((-1.2 + 0.5 * s1) / 2, rel=1e-12)
     assert metrics["actor/clipfrac"] == 0.5
@@ -317,7 +317,7 @@ def test_gspo_token_form_gradient_equals_sequence_level_gradient():
     lp_token = lp.clone().requires_grad_(True)
     lp_seq = lp.clone().requires_grad_(True)
     loss_token, metrics = losses.compute("gspo", logprobs=lp_token, old_logprobs=olp, advantages=adv,
-                                         response_mask=mask, agg="seq-mean-token-mean", clip_low=0.05, clip_high=0.08)
+                                         loss_mask=mask, agg="seq-mean-token-mean", clip_low=0.05, clip_high=0.08)
     loss_seq = _gspo_sequence_objective(lp_seq, olp, row_adv, mask, 0.05, 0.08)
     assert 0 < metrics["actor/clipfrac"] < 1  # both branches exercised
     assert loss_token.item() == pytest.approx(loss_seq.item(), rel=1e-12)
@@ -330,7 +330,7 @@ def test_gspo_token_form_gradient_equals_sequence_level_gradient():
 def test_gspo_matches_loop_reference():
     lp, olp, _, adv, mask = _random_policy_batch(22, B=12, per_row_adv=True)
     lp.requires_grad_(True)
-    loss, metrics = losses.compute("gspo", logprobs=lp, old_logprobs=olp, advantages=adv, response_mask=mask,
+    loss, metrics = losses.compute("gspo", logprobs=lp, old_logprobs=olp, advantages=adv, loss_mask=mask,
                                    agg="seq-mean-token-mean", clip_low=0.04, clip_high=0.06)
     B = len(mask)
     row_losses, grad, clipped, ratios = [], [], 0, []
@@ -376,7 +376,7 @@ TOPR_M = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.
 
 def test_topr_loss_hand_worked():
     lp = TOPR_LP.clone().requires_grad_(True)
-    loss, metrics = losses.compute("topr", logprobs=lp, old_logprobs=TOPR_OLP, advantages=TOPR_A, response_mask=TOPR_M)
+    loss, metrics = losses.compute("topr", logprobs=lp, old_logprobs=TOPR_OLP, advantages=TOPR_A, loss_mask=TOPR_M)
     assert loss.item() == pytest.approx(1.65 / 7, rel=1e-12)
     assert metrics["actor/negative_frac"] == pytest.approx(2 / 3)
     assert metrics["actor/negative_weight_mean"] == pytest.approx(0.75, rel=1e-12)
@@ -393,7 +393,7 @@ def test_topr_positive_rows_ignore_the_ratio():
     for shift in (-5.0, 0.0, 5.0):
         lp.grad = None
         loss, _ = losses.compute("topr", logprobs=lp, old_logprobs=TOPR_OLP[:1] + shift, advantages=TOPR_A[:1],
-                                 response_mask=TOPR_M[:1])
+                                 loss_mask=TOPR_M[:1])
         loss.backward()
         assert loss.item() == pytest.approx(3.0 / 2, rel=1e-12)  # (1 + 2) / 2 tokens
         torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1.0, -1.0, 0.0]], dtype=torch.float64))
@@ -403,7 +403,7 @@ def test_topr_loss_matches_loop_reference():
     lp, olp, _, adv, mask = _random_policy_batch(23, B=14, per_row_adv=True)
     lp = olp + 0.25 * (lp - olp)  # sequence ratios on both sides of 1
     lp.requires_grad_(True)
-    loss, metrics = losses.compute("topr", logprobs=lp, old_logprobs=olp, advantages=adv, response_mask=mask)
+    loss, metrics = losses.compute("topr", logprobs=lp, old_logprobs=olp, advantages=adv, loss_mask=mask)
     tok, grad, weights_neg, count = [], [], [], sum(sum(r) for r in mask.tolist())
     for lp_r, olp_r, a_r, m_r in zip(lp.tolist(), olp.tolist(), adv.tolist(), mask.tolist()):
         a = _row_advantage(a_r, m_r)
@@ -434,7 +434,7 @@ def test_all_policy_losses_registered():
 def test_every_loss_ignores_outside_mask_and_has_no_gradient_there(name, agg):
     lp, olp, rlp, adv, mask = _random_policy_batch(24, per_row_adv=True)
     outside = (mask == 0).to(torch.float64)
-    kwargs = dict(old_logprobs=olp, advantages=adv, response_mask=mask, agg=agg, rollout_logprobs=rlp, tis_cap=2.0)
+    kwargs = dict(old_logprobs=olp, advantages=adv, loss_mask=mask, agg=agg, rollout_logprobs=rlp, tis_cap=2.0)
     lp_a = lp.clone().requires_grad_(True)
     loss_a, metrics_a = losses.compute(name, logprobs=lp_a, **kwargs)
     loss_a.backward()
@@ -456,7 +456,7 @@ def test_every_token_loss_is_zero_outside_mask_for_masked_advantages(name):
     # The estimators give A = 0 outside the mask; then each registered per-token loss is exactly 0 there.
     lp, olp, _, adv, mask = _random_policy_batch(25, per_row_adv=True)
     token_losses, metrics = losses.POLICY_LOSSES.get(name)(logprobs=lp, old_logprobs=olp, advantages=adv,
-                                                           response_mask=mask)
+                                                           loss_mask=mask)
     assert token_losses.shape == mask.shape
     assert (token_losses[mask == 0] == 0).all()
     assert all(type(v) is float for v in metrics.values())
@@ -477,7 +477,7 @@ TIS_M = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
 def test_tis_hand_worked():
     lp = TIS_OLP.clone().requires_grad_(True)
     loss, metrics = losses.compute("ppo_clip", logprobs=lp, old_logprobs=TIS_OLP, advantages=TIS_A,
-                                   response_mask=TIS_M, rollout_logprobs=TIS_RLP, tis_cap=2.0)
+                                   loss_mask=TIS_M, rollout_logprobs=TIS_RLP, tis_cap=2.0)
     assert loss.item() == pytest.approx(-2 / 3, rel=1e-12)
     assert metrics["actor/tis_weight_mean"] == pytest.approx(3.5 / 3, rel=1e-12)
     assert metrics["mismatch/max_abs_logprob_diff"] == pytest.approx(math.log(3.0), rel=1e-12)
@@ -496,16 +496,16 @@ def test_truncated_is_weights_hand_worked_and_detached():
 
 def test_mismatch_metrics_reported_without_correction():
     # rollout_logprobs alone: the mismatch is measured, the loss is not reweighted (no tis metric).
-    plain, _ = losses.compute("ppo_clip", logprobs=TIS_OLP, old_logprobs=TIS_OLP, advantages=TIS_A, response_mask=TIS_M)
+    plain, _ = losses.compute("ppo_clip", logprobs=TIS_OLP, old_logprobs=TIS_OLP, advantages=TIS_A, loss_mask=TIS_M)
     loss, metrics = losses.compute("ppo_clip", logprobs=TIS_OLP, old_logprobs=TIS_OLP, advantages=TIS_A,
-                                   response_mask=TIS_M, rollout_logprobs=TIS_RLP)
+                                   loss_mask=TIS_M, rollout_logprobs=TIS_RLP)
     assert loss.item() == pytest.approx(plain.item(), rel=1e-12)  # (-1 - 2 + 1) / 3
     assert "actor/tis_weight_mean" not in metrics
     assert {"mismatch/k3", "mismatch/max_abs_logprob_diff"} <= set(metrics)
     assert metrics["mismatch/k3"] > 0
     # Identical policies: no mismatch at all.
     _, same = losses.compute("ppo_clip", logprobs=TIS_OLP, old_logprobs=TIS_OLP, advantages=TIS_A,
-                             response_mask=TIS_M, rollout_logprobs=TIS_OLP.clone())
+                             loss_mask=TIS_M, rollout_logprobs=TIS_OLP.clone())
     assert same["mismatch/k3"] == 0.0 and same["mismatch/max_abs_logprob_diff"] == 0.0
 
 
@@ -528,7 +528,7 @@ def test_mismatch_k3_is_exact_kl_of_rollout_to_trainer_in_expectation():
 
 def test_tis_cap_without_rollout_logprobs_raises():
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        losses.compute("ppo_clip", logprobs=TIS_OLP, old_logprobs=TIS_OLP, advantages=TIS_A, response_mask=TIS_M,
+        losses.compute("ppo_clip", logprobs=TIS_OLP, old_logprobs=TIS_OLP, advantages=TIS_A, loss_mask=TIS_M,
                        tis_cap=2.0)
 
 
@@ -537,14 +537,14 @@ def test_tis_matches_loop_reference(name, agg):
     # The corrected loss is agg(w * loss_t) with w_t = min(exp(OLP_t - RLP_t), cap), whatever the loss.
     lp, olp, rlp, adv, mask = _random_policy_batch(26, B=11, per_row_adv=True)
     cap = 1.5
-    token_losses, _ = losses.POLICY_LOSSES.get(name)(logprobs=lp, old_logprobs=olp, advantages=adv, response_mask=mask)
+    token_losses, _ = losses.POLICY_LOSSES.get(name)(logprobs=lp, old_logprobs=olp, advantages=adv, loss_mask=mask)
     w = [[min(math.exp(y - z), cap) if m else 1.0 for y, z, m in zip(yr, zr, mr)]
          for yr, zr, mr in zip(olp.tolist(), rlp.tolist(), mask.tolist())]
     weighted = [[x * wi for x, wi in zip(xr, wr)] for xr, wr in zip(token_losses.tolist(), w)]
     flat_w = [wi for wr, mr in zip(w, mask.tolist()) for wi, m in zip(wr, mr) if m]
     assert 0 < sum(wi == cap for wi in flat_w) < len(flat_w)  # the cap binds on some tokens only
     diffs = [abs(z - y) for yr, zr, mr in zip(olp.tolist(), rlp.tolist(), mask.tolist()) for y, z, m in zip(yr, zr, mr) if m]
-    loss, metrics = losses.compute(name, logprobs=lp, old_logprobs=olp, advantages=adv, response_mask=mask, agg=agg,
+    loss, metrics = losses.compute(name, logprobs=lp, old_logprobs=olp, advantages=adv, loss_mask=mask, agg=agg,
                                    rollout_logprobs=rlp, tis_cap=cap)
     assert loss.item() == pytest.approx(_loop_aggregate(weighted, mask.tolist(), agg), rel=1e-12)
     assert metrics["actor/tis_weight_mean"] == pytest.approx(sum(flat_w) / len(flat_w), rel=1e-12)
@@ -571,7 +571,7 @@ VAL_M = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
 
 def test_value_loss_hand_worked():
     v = VAL_V.clone().requires_grad_(True)
-    token_losses, metrics = losses.value_loss(values=v, old_values=VAL_OV, returns=VAL_RET, response_mask=VAL_M,
+    token_losses, metrics = losses.value_loss(values=v, old_values=VAL_OV, returns=VAL_RET, loss_mask=VAL_M,
                                               clip_range=0.2)
     torch.testing.assert_close(token_losses[VAL_M > 0], torch.tensor([0.125, 0.18, 0.02], dtype=torch.float64))
     assert metrics == pytest.approx({"critic/vf_clipfrac": 2 / 3, "critic/vpred_mean": 1.6 / 3,
@@ -583,7 +583,7 @@ def test_value_loss_hand_worked():
 
 def test_value_loss_without_clipping_hand_worked():
     # clip_range 0: 0.5 * (V - ret)^2 = 0.5 * [0.04, 0.36, 0.01] = [0.02, 0.18, 0.005]; nothing clipped.
-    token_losses, metrics = losses.value_loss(values=VAL_V, old_values=VAL_OV, returns=VAL_RET, response_mask=VAL_M,
+    token_losses, metrics = losses.value_loss(values=VAL_V, old_values=VAL_OV, returns=VAL_RET, loss_mask=VAL_M,
                                               clip_range=0.0)
     torch.testing.assert_close(token_losses[VAL_M > 0], torch.tensor([0.02, 0.18, 0.005], dtype=torch.float64))
     assert metrics["critic/vf_clipfrac"] == 0.0
@@ -596,7 +596,7 @@ def test_value_loss_matches_loop_reference(clip_range):
     old_v = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
     v = (old_v + 0.3 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)).requires_grad_(True)
     ret = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
-    token_losses, metrics = losses.value_loss(values=v, old_values=old_v, returns=ret, response_mask=mask,
+    token_losses, metrics = losses.value_loss(values=v, old_values=old_v, returns=ret, loss_mask=mask,
                                               clip_range=clip_range)
     loss = (token_losses * mask).sum() / mask.sum()
     loss.backward()
@@ -644,7 +644,7 @@ def test_losses_listed_as_zero_at_zero_advantage_are(name):
     old = -torch.rand(4, 6, generator=gen)
     mask = (torch.rand(4, 6, generator=gen) > 0.2).float()
     token_losses, _ = losses.POLICY_LOSSES.get(name)(logprobs=logprobs, old_logprobs=old,
-                                                     advantages=torch.zeros(4, 6), response_mask=mask)
+                                                     advantages=torch.zeros(4, 6), loss_mask=mask)
     (grad,) = torch.autograd.grad((token_losses * mask).sum(), logprobs, allow_unused=True)
     assert float((token_losses * mask).detach().abs().max()) == 0.0
     assert grad is None or float(grad.abs().max()) == 0.0
