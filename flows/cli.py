@@ -47,7 +47,7 @@ def _start_services(cfg) -> None:
     from mlflow.tracking import MlflowClient
 
     from flows.setup import ensure_ray, start_prefect_server
-    from tasks.tracking import tracking_uri
+    from flows.tracking import tracking_uri
 
     timeout = int(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
     thread = threading.Thread(target=lambda: start_prefect_server(timeout), daemon=True)

@@ -15,7 +15,7 @@ from flows.rlvr import rlvr_flow
 from flows.lineage import lineage_tags
 from flows.setup import base_model_path, ensure_ray, final_dir, is_finished, load_rows, start_prefect_server
 from flows.sft import sft_flow
-from tasks.tracking import RunTracker, redact, tracking_uri
+from flows.tracking import RunTracker, redact, tracking_uri
 
 
 def open_tracking(config: Config) -> RunTracker:

@@ -27,6 +27,8 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 
 from configs.schema import Config
 from flows.setup import domain_rewards, final_dir, load_domains
+from flows.progress import StageProgress
+from flows.tracking import RunTracker
 from engines import checkpoint_store as store
 from engines.actors import describe, run_actor_names, start_engine, stop_engine
 from engines.algorithms.kl import adaptive_kl_coef
@@ -40,10 +42,8 @@ from tasks.advantages import compute_advantages
 from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
-from tasks.progress import StageProgress
 from tasks.score import Chunk, generate_and_score
 from tasks.sync import sync_weights
-from tasks.tracking import RunTracker
 from tasks.train import train
 
 

@@ -13,14 +13,14 @@ from prefect import flow
 
 from configs.schema import Config
 from flows.setup import load_rows
+from flows.progress import StageProgress
+from flows.tracking import RunTracker
 from engines import checkpoint_store as store
 from engines.actors import start_engine, stop_engine
 from engines.algorithms.objective import SFTObjective
 from engines.data.sampler import take
 from engines.training.torch import OptimSpec
 from tasks.checkpoint import save_model
-from tasks.progress import StageProgress
-from tasks.tracking import RunTracker
 from tasks.train import sft_train
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tasks.tracking import RunTracker
+from flows.tracking import RunTracker
 
 
 def test_resumed_tracker_skips_steps_already_logged(tmp_path):
@@ -32,7 +32,7 @@ def test_buffered_steps_flush_in_one_batch(tmp_path):
 
 
 def test_credentials_never_reach_mlflow(tmp_path, monkeypatch):
-    from tasks.tracking import redact
+    from flows.tracking import redact
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-1234")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "tracking-pw-5678")
@@ -81,7 +81,7 @@ def test_artifacts_live_beside_a_local_sqlite_store(tmp_path):
 def test_a_failed_background_send_loses_and_duplicates_nothing(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracker = RunTracker.create(uri, "exp", "run-e", {}, "")
-    monkeypatch.setattr("tasks.tracking.MAX_BATCH", 4)  # 3 batches for 2 steps of 5 entries each
+    monkeypatch.setattr("flows.tracking.MAX_BATCH", 4)  # 3 batches for 2 steps of 5 entries each
     real_log_batch, calls = tracker.client.log_batch, []
 
     def log_batch_failing_second(run_id, metrics):
