@@ -22,6 +22,7 @@ def _ppo(run_dir, steps: int):
                                           "algorithm.entropy_coef=0.01", "data.arithmetic.num_heldout=8"])
 
 
+@pytest.mark.slow  # three flow runs
 def test_ppo_critic_is_checkpointed_and_resumed(tmp_path, ray_cluster, prefect_server):
     from mlflow.tracking import MlflowClient
 

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from services import REPO_ROOT, S3_SECRET, base_env, kill_all, mlflow_server, process_group, processes_with_env, wait_for
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # Prefect worker, MLflow server, three flow runs
 
 SECRET = "s3cr3t-" + os.urandom(6).hex()  # in the worker's environment; must never reach MLflow or logs
 ARTIFACTS = "rollflow-mlflow-artifacts"

@@ -16,7 +16,7 @@ import pytest
 
 from services import REPO_ROOT, base_env, free_port, process_group, wait_for
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # its own Ray head and two CLI runs
 
 
 @pytest.fixture()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from configs.loader import load_config
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # three full runs, two of them subprocesses
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from services import REPO_ROOT, S3_SECRET as SECRET, wait_for
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # four CLI runs against S3
 
 BUCKET = "rollflow-ckpt"
 

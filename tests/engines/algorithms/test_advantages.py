@@ -98,6 +98,7 @@ def _loop_reference(rewards, mask, group_ids, norm_by_std=True, eps=1e-6):
     return out
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("norm_by_std", [True, False])
 def test_matches_loop_reference(norm_by_std):
     gen = torch.Generator().manual_seed(0)
@@ -226,6 +227,7 @@ def test_all_estimators_registered():
     )
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("name", advantages.names())
 def test_every_estimator_zero_outside_mask_finite_and_no_grad(name):
     R, M, G, V = _random_batch(1)
@@ -238,6 +240,7 @@ def test_every_estimator_zero_outside_mask_finite_and_no_grad(name):
     assert not adv.requires_grad and not ret.requires_grad
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("name", advantages.names())
 def test_every_estimator_ignores_everything_outside_mask(name):
     # Rewards and values on prompt/padding positions (here +-1e3) must not change any output.
@@ -264,6 +267,7 @@ def test_group_mean_std_and_max_hand_worked():
     torch.testing.assert_close(advantages.group_max(s, G), torch.tensor([6.0, 4.0, 6.0, 6.0, 3.0]))
 
 
+@pytest.mark.invariant
 def test_group_helpers_match_loop_reference():
     gen = torch.Generator().manual_seed(3)
     G = torch.randint(0, 6, (30,), generator=gen) * 7 - 11
@@ -289,6 +293,7 @@ def test_discounted_returns_hand_worked():
     torch.testing.assert_close(advantages.discounted_returns(R, M, 0.5), torch.tensor([[0.0, 1.5, 1.0, 2.0, 0.0]]))
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
 def test_discounted_returns_match_loop_reference(gamma):
     R, M, _, _ = _random_batch(4)
@@ -312,6 +317,7 @@ def test_dr_grpo_hand_worked():
     torch.testing.assert_close(adv, _compute("grpo", R, M, G, norm_by_std=False)[0])
 
 
+@pytest.mark.invariant
 def test_dr_grpo_matches_loop_reference():
     R, M, G, _ = _random_batch(5)
     Rl, Ml, Gl, _ = _plain(R, M, G)
@@ -336,6 +342,7 @@ def test_rloo_hand_worked():
     torch.testing.assert_close(ret, adv)
 
 
+@pytest.mark.invariant
 def test_rloo_matches_loop_reference():
     R, M, G, _ = _random_batch(6)
     Rl, Ml, Gl, _ = _plain(R, M, G)
@@ -370,6 +377,7 @@ def test_reinforce_pp_hand_worked():
     torch.testing.assert_close(adv, ret)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("gamma, whiten", [(1.0, True), (0.9, True), (0.7, False)])
 def test_reinforce_pp_matches_loop_reference(gamma, whiten):
     R, M, G, _ = _random_batch(7)
@@ -405,6 +413,7 @@ def test_reinforce_pp_baseline_hand_worked():
     torch.testing.assert_close(ret, torch.tensor([[0.0, 0.5, 1.0, 0.0], [0.0] * 4, [2.0, 0.0, 0.0, 0.0]]))
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("gamma, whiten", [(1.0, True), (0.8, True), (0.9, False)])
 def test_reinforce_pp_baseline_matches_loop_reference(gamma, whiten):
     R, M, G, _ = _random_batch(8)
@@ -433,6 +442,7 @@ def test_lite_ppo_hand_worked():
     torch.testing.assert_close(ret, adv)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("eps", [1e-6, 0.3])
 def test_lite_ppo_matches_loop_reference(eps):
     R, M, G, _ = _random_batch(9)
@@ -469,6 +479,7 @@ def test_raft_pp_hand_worked(threshold, expected):
     torch.testing.assert_close(ret, adv)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("threshold", [0.0, 0.4])
 def test_raft_pp_matches_loop_reference(threshold):
     R, M, G, _ = _random_batch(10, outcome_levels=2)  # rewards in {0, 0.5, 1}: ties and all-zero groups
@@ -496,6 +507,7 @@ def test_topr_advantage_hand_worked():
     torch.testing.assert_close(adv, torch.tensor([1.0, 0.0, -1.0, 0.5])[:, None] * M)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("baseline, pos, neg", [(0.0, 1.0, 1.0), (0.3, 1.5, 0.25)])
 def test_topr_advantage_matches_loop_reference(baseline, pos, neg):
     R, M, G, _ = _random_batch(11)
@@ -568,6 +580,7 @@ def _gae_loop(R, M, V, gamma, lam):
     return adv, ret
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("gamma, lam, whiten", [(1.0, 0.95, True), (0.9, 0.5, False), (0.99, 1.0, True), (0.8, 0.0, False)])
 def test_gae_matches_loop_reference(gamma, lam, whiten):
     R, M, G, V = _random_batch(12)

@@ -72,6 +72,7 @@ def _loop_reference(mode: str, values: list[list[float]], mask: list[list[float]
     raise AssertionError(mode)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("mode", aggregation.names())
 def test_matches_loop_reference(mode):
     gen = torch.Generator().manual_seed(0)

@@ -116,6 +116,7 @@ def _loop_reference(lp, olp, adv, mask, clip_low=0.2, clip_high=0.2):
     return total / count, clipped / count
 
 
+@pytest.mark.invariant
 def test_matches_loop_reference():
     gen = torch.Generator().manual_seed(0)
     B, L = 6, 11
@@ -258,6 +259,7 @@ def _ppo_loop(lp, olp, adv, mask, clip_low, clip_high, dual_clip):
     return tok, grad, metrics, count
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("dual_clip", [0.0, 1.5, 3.0])
 def test_ppo_clip_with_dual_clip_matches_loop_reference(dual_clip):
     lp, olp, _, adv, mask = _random_policy_batch(20, B=12, L=11)
@@ -311,6 +313,7 @@ def _gspo_sequence_objective(lp, olp, row_adv, mask, clip_low, clip_high):
     return torch.maximum(-row_adv * s, -row_adv * s.clamp(1 - clip_low, 1 + clip_high)).mean()
 
 
+@pytest.mark.invariant
 def test_gspo_token_form_gradient_equals_sequence_level_gradient():
     lp, olp, _, adv, mask = _random_policy_batch(21, B=10, per_row_adv=True, empty_row=False)
     row_adv = (adv * mask).sum(-1) / mask.sum(-1)  # [B], A constant per row
@@ -327,6 +330,7 @@ def test_gspo_token_form_gradient_equals_sequence_level_gradient():
     assert (lp_token.grad[mask == 0] == 0).all()
 
 
+@pytest.mark.invariant
 def test_gspo_matches_loop_reference():
     lp, olp, _, adv, mask = _random_policy_batch(22, B=12, per_row_adv=True)
     lp.requires_grad_(True)
@@ -399,6 +403,7 @@ def test_topr_positive_rows_ignore_the_ratio():
         torch.testing.assert_close(lp.grad, torch.tensor([[0.0, -1.0, -1.0, 0.0]], dtype=torch.float64))
 
 
+@pytest.mark.invariant
 def test_topr_loss_matches_loop_reference():
     lp, olp, _, adv, mask = _random_policy_batch(23, B=14, per_row_adv=True)
     lp = olp + 0.25 * (lp - olp)  # sequence ratios on both sides of 1
@@ -429,6 +434,7 @@ def test_all_policy_losses_registered():
     assert losses.names() == ["gspo", "ppo_clip", "topr"]
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("name", losses.names())
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_every_loss_ignores_outside_mask_and_has_no_gradient_there(name, agg):
@@ -451,6 +457,7 @@ def test_every_loss_ignores_outside_mask_and_has_no_gradient_there(name, agg):
     assert (lp_a.grad[mask == 1] != 0).any()
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("name", losses.names())
 def test_every_token_loss_is_zero_outside_mask_for_masked_advantages(name):
     # The estimators give A = 0 outside the mask; then each registered per-token loss is exactly 0 there.
@@ -532,6 +539,7 @@ def test_tis_cap_without_rollout_logprobs_raises():
                        tis_cap=2.0)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("name, agg", [("ppo_clip", "token-mean"), ("gspo", "seq-mean-token-mean"), ("topr", "token-mean")])
 def test_tis_matches_loop_reference(name, agg):
     # The corrected loss is agg(w * loss_t) with w_t = min(exp(OLP_t - RLP_t), cap), whatever the loss.
@@ -589,6 +597,7 @@ def test_value_loss_without_clipping_hand_worked():
     assert metrics["critic/vf_clipfrac"] == 0.0
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("clip_range", [0.0, 0.1, 0.5])
 def test_value_loss_matches_loop_reference(clip_range):
     gen = torch.Generator().manual_seed(27)
@@ -636,6 +645,7 @@ def test_value_loss_matches_loop_reference(clip_range):
     assert metrics["critic/explained_variance"] == pytest.approx(1 - var(residual) / var(targets), rel=1e-12)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("name", sorted(losses.ZERO_AT_ZERO_ADVANTAGE))
 def test_losses_listed_as_zero_at_zero_advantage_are(name):
     """The train step skips zero-advantage rows for these losses: their token loss and gradient must be 0."""

@@ -59,6 +59,7 @@ def test_masked_mean_var_whiten_hand_worked():
     assert (out[M == 0] == 0).all()
 
 
+@pytest.mark.invariant
 def test_masked_whiten_matches_loop_reference():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 9, generator=gen, dtype=torch.float64) * 3 + 1
@@ -99,6 +100,7 @@ def test_overlong_penalty_buffer_zero_disables():
     assert shaping.overlong_penalty(torch.tensor([1, 50, 500]), max_length=10, buffer=0).tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.invariant
 def test_overlong_penalty_matches_loop_reference():
     _, lengths, _ = _random_rewards(1, B=40)
     L_max, L_cache, factor = 20, 6, 0.7
@@ -116,6 +118,7 @@ def test_overlong_penalty_matches_loop_reference():
     assert out.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.invariant
 def test_length_penalty_hand_worked_and_loop_reference():
     # coef 0.1, max_length 20: -0.1 * [0, 5, 20, 30] / 20 = [0, -0.025, -0.1, -0.15]
     out = shaping.length_penalty(torch.tensor([0, 5, 20, 30]), coef=0.1, max_length=20)
@@ -146,6 +149,7 @@ def test_running_moments_edge_cases():
     assert one.update(torch.tensor([])) is one  # an empty batch changes nothing
 
 
+@pytest.mark.invariant
 def test_running_moments_match_loop_reference():
     # Chan et al.'s merge over uneven chunks equals the two-pass mean / variance of everything seen.
     gen = torch.Generator().manual_seed(3)
@@ -208,6 +212,7 @@ def test_norm_running_hand_worked():
     assert out.tolist() == pytest.approx([-0.7071068, 0.7071068], rel=1e-5)
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("mode", ["none", "batch", "group", "running"])
 def test_reward_norms_match_loop_reference(mode):
     rewards, _, G = _random_rewards(4)
@@ -249,6 +254,7 @@ def test_informative_groups_hand_worked():
     assert keep.tolist() == [False, False, True, True, True, False]
 
 
+@pytest.mark.invariant
 def test_informative_groups_match_loop_reference():
     gen = torch.Generator().manual_seed(5)
     G = torch.randint(0, 8, (30,), generator=gen) * 3 - 4
@@ -288,6 +294,7 @@ def test_shape_sequence_rewards_hand_worked():
     assert out.tolist() == [1.0, 1.0, 0.0, 2.0]
 
 
+@pytest.mark.invariant
 @pytest.mark.parametrize("mode", ["none", "batch", "group", "running"])
 def test_shape_sequence_rewards_matches_loop_reference(mode):
     rewards, lengths, G = _random_rewards(6)
@@ -327,6 +334,7 @@ def test_shape_advantages_hand_worked():
     assert shaping.shape_advantages(X, M, ShapingSpec()) is X
 
 
+@pytest.mark.invariant
 def test_shape_advantages_matches_loop_reference():
     gen = torch.Generator().manual_seed(7)
     adv = torch.randn(6, 8, generator=gen, dtype=torch.float64) * 2 + 0.5
