@@ -1,6 +1,7 @@
-"""Static checks of the deployment files under infra/: they parse, publish nothing beyond 127.0.0.1, expose no
-public k8s Service, copy only paths that exist, agree on versions, and hold no credentials. No servers and no
-docker: file reads, `bash -n`, and start.sh run against a fake `mlflow` that prints its arguments."""
+"""Static checks of the deployment files under infra/: they parse, publish and bind nothing beyond 127.0.0.1 (the
+check also runs on edited copies, to show it names each way a file could expose a port), expose no public k8s
+Service, copy only paths that exist, agree on versions, and hold no credentials. No servers and no docker: file
+reads, `bash -n`, and start.sh run against a fake `mlflow` that prints its arguments."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import fnmatch
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,37 +57,126 @@ def test_every_yaml_parses(path):
     assert docs and all(isinstance(doc, dict) for doc in docs)
 
 
-# ---- published ports ----------------------------------------------------------------------------------------
+# ---- published ports: every port the infra files publish or bind is on 127.0.0.1 -------------------------------
 
-def published_on_loopback_only(entry) -> bool:
-    """A compose `ports:` entry publishes on 127.0.0.1 only: "127.0.0.1:HOST:CONTAINER" or long syntax with
-    host_ip 127.0.0.1. A bare "HOST:CONTAINER" or "CONTAINER" publishes on every host interface."""
+LOOPBACK = "127.0.0.1"
+
+
+def compose_port_host_ip(entry) -> str | None:
+    """The host address a compose `ports:` entry publishes on; None means every host interface. Short syntax
+    "[IP:][HOST:]CONTAINER[/PROTO]" (an IPv6 IP in brackets), long syntax a mapping with `host_ip`."""
     if isinstance(entry, dict):
-        return entry.get("host_ip") == "127.0.0.1"
-    return str(entry).startswith("127.0.0.1:")
+        return entry.get("host_ip")
+    text = str(entry)
+    if text.startswith("["):
+        return text[1:text.index("]")]
+    parts = text.split(":")
+    return parts[0] if len(parts) == 3 else None
 
 
-@pytest.mark.parametrize("entry, ok", [
-    ("127.0.0.1:4200:4200", True),
-    ({"target": 4200, "published": 4200, "host_ip": "127.0.0.1"}, True),
-    ("4200:4200", False),                       # every host interface
-    ("0.0.0.0:4200:4200", False),
-    ("4200", False),                            # a random host port on every interface
-    ({"target": 4200, "published": 4200}, False),
-])
-def test_published_on_loopback_only_rule(entry, ok):
-    assert published_on_loopback_only(entry) is ok
+def compose_published(infra: Path) -> dict[str, list[tuple[str | None, str]]]:
+    """Service -> (host address, entry) of every port its compose file publishes."""
+    services = yaml.safe_load((infra / "docker" / "compose.yaml").read_text())["services"]
+    return {name: [(compose_port_host_ip(p), str(p)) for p in svc.get("ports", [])] for name, svc in services.items()}
+
+
+def loopback_findings(infra: Path) -> list[str]:
+    """What in the infra files under `infra` listens beyond 127.0.0.1, one line each: compose's published ports
+    and host networking, start.sh's default bind address, the Ray launcher's dashboard, k8s host ports, host
+    networking and public Services, and any *_HOST a Prefect work pool sets."""
+    found = []
+    services = yaml.safe_load((infra / "docker" / "compose.yaml").read_text())["services"]
+    for name, svc in services.items():
+        if svc.get("network_mode") == "host":
+            found.append(f"docker/compose.yaml: {name} uses the host's network")
+    for name, entries in compose_published(infra).items():
+        found += [f"docker/compose.yaml: {name} publishes {entry} on {ip or 'every interface'}"
+                  for ip, entry in entries if ip != LOOPBACK]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = run_start_sh(Path(tmp), script=infra / "mlflow" / "start.sh")
+    if flag(args, "--host") != LOOPBACK:
+        found.append(f"mlflow/start.sh: binds {flag(args, '--host')} by default")
+
+    cluster = yaml.safe_load((infra / "ray" / "cluster.yaml").read_text())
+    for cmd in cluster["head_start_ray_commands"]:
+        if "ray start" in cmd and f"--dashboard-host={LOOPBACK}" not in cmd:
+            found.append(f"ray/cluster.yaml: the head's dashboard is not bound to {LOOPBACK}: {cmd.strip()}")
+    for cmd in cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]:
+        found += [f"ray/cluster.yaml: {m[0]}" for m in re.finditer(r"--[a-z-]*host[= ](\S+)", cmd) if m[1] != LOOPBACK]
+
+    for path in sorted((infra / "k8s").glob("*.yaml")):
+        for doc in load_all(path):
+            for pod in _pod_specs(doc):
+                if pod.get("hostNetwork"):
+                    found.append(f"k8s/{path.name}: a pod uses the node's network")
+                found += [f"k8s/{path.name}: {c['name']} binds node port {p['hostPort']}"
+                          for c in pod.get("containers", []) for p in c.get("ports", []) if "hostPort" in p]
+            if doc["kind"] == "Service" and doc["spec"].get("type") in ("LoadBalancer", "NodePort"):
+                found.append(f"k8s/{path.name}: Service {doc['metadata']['name']} is {doc['spec']['type']}")
+            for spec in _ray_specs(doc):
+                if spec["headGroupSpec"].get("serviceType", "ClusterIP") != "ClusterIP":
+                    found.append(f"k8s/{path.name}: the Ray head Service is {spec['headGroupSpec']['serviceType']}")
+
+    prefect = yaml.safe_load((infra / "prefect" / "prefect.yaml").read_text())
+    pools = [prefect.get("definitions", {}).get("work_pool", {})] + [d.get("work_pool", {}) for d in prefect["deployments"]]
+    pools = list({id(pool): pool for pool in pools}.values())  # the deployments share one anchored pool
+    found += [f"prefect/prefect.yaml: {key}={value}" for pool in pools
+              for key, value in (pool.get("job_variables", {}).get("env") or {}).items()
+              if key.endswith("_HOST") and str(value) != LOOPBACK]
+    return found
+
+
+def _ray_specs(doc: dict) -> list[dict]:
+    """The Ray cluster spec of a RayCluster or RayJob manifest; [] for other kinds."""
+    return {"RayCluster": [doc.get("spec")], "RayJob": [doc.get("spec", {}).get("rayClusterSpec")]}.get(doc["kind"], [])
+
+
+def _pod_specs(doc: dict) -> list[dict]:
+    groups = [g for spec in _ray_specs(doc) for g in [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]]
+    return [g["template"]["spec"] for g in groups]
 
 
 def compose_services() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
-def test_compose_ports_bind_loopback():
-    ports = {name: svc.get("ports", []) for name, svc in compose_services().items()}
-    assert {name for name, p in ports.items() if p} == {"prefect", "mlflow", "minio"}
-    bad = [(name, p) for name, entries in ports.items() for p in entries if not published_on_loopback_only(p)]
-    assert bad == []
+def test_infra_files_publish_and_bind_on_loopback_only():
+    assert loopback_findings(INFRA) == []
+    published = {name: [entry for _, entry in entries] for name, entries in compose_published(INFRA).items() if entries}
+    assert published == {"prefect": ["127.0.0.1:4200:4200"], "mlflow": ["127.0.0.1:5000:5000"],
+                         "minio": ["127.0.0.1:9000:9000", "127.0.0.1:9001:9001"]}
+
+
+# Each edit makes one real file listen beyond 127.0.0.1; the check above must name that file. (file, old, new)
+EXPOSING_EDITS = {
+    "compose every interface": ("docker/compose.yaml", '"127.0.0.1:4200:4200"', '"4200:4200"'),
+    "compose 0.0.0.0": ("docker/compose.yaml", '"127.0.0.1:9001:9001"', '"0.0.0.0:9001:9001"'),
+    "compose container port only": ("docker/compose.yaml", '"127.0.0.1:5000:5000"', '"5000"'),
+    "compose long syntax": ("docker/compose.yaml", '"127.0.0.1:9000:9000"', "{target: 9000, published: 9000}"),
+    "compose host network": ("docker/compose.yaml", "    image: postgres:17\n",
+                             "    image: postgres:17\n    network_mode: host\n"),
+    "start.sh default": ("mlflow/start.sh", '${MLFLOW_HOST:-127.0.0.1}', '${MLFLOW_HOST:-10.1.2.3}'),
+    "ray dashboard": ("ray/cluster.yaml", "--dashboard-host=127.0.0.1", "--dashboard-host=10.1.2.3"),
+    "ray dashboard default": ("ray/cluster.yaml", " --dashboard-host=127.0.0.1", ""),
+    "k8s host port": ("k8s/raycluster.yaml", "- containerPort: 8265\n", "- containerPort: 8265\n                hostPort: 8265\n"),
+    "k8s host network": ("k8s/rayjob.yaml", "          containers:\n", "          hostNetwork: true\n          containers:\n"),
+    "k8s head service": ("k8s/raycluster.yaml", "serviceType: ClusterIP", "serviceType: NodePort"),
+    "prefect env": ("prefect/prefect.yaml", '        TOKENIZERS_PARALLELISM: "false"\n',
+                    '        PREFECT_SERVER_API_HOST: 10.1.2.3\n        TOKENIZERS_PARALLELISM: "false"\n'),
+}
+
+
+@pytest.mark.parametrize("edit", EXPOSING_EDITS)
+def test_loopback_check_names_a_file_that_listens_beyond_loopback(edit, tmp_path):
+    name, old, new = EXPOSING_EDITS[edit]
+    copy = tmp_path / "infra"
+    shutil.copytree(INFRA, copy)
+    text = (copy / name).read_text()
+    assert old in text, f"{name} no longer holds {old!r}: update this edit"
+    (copy / name).write_text(text.replace(old, new, 1))
+    found = loopback_findings(copy)
+    assert found and all(line.startswith(f"{name}: ") for line in found), found
 
 
 # ---- binding every interface --------------------------------------------------------------------------------
@@ -108,7 +200,7 @@ def test_all_interfaces_only_inside_loopback_published_containers():
             found = json.dumps(svc.get(key)).count(ALL_INTERFACES)
             if found:
                 assert MAY_BIND_ALL_IN_CONTAINER.get(name) == key, f"{name}.{key} binds all interfaces"
-                assert svc["ports"] and all(published_on_loopback_only(p) for p in svc["ports"])
+                assert svc["ports"] and all(compose_port_host_ip(p) == LOOPBACK for p in svc["ports"])
                 allowed += found
     # Nothing else in the file (comments, other keys) may mention it either.
     assert COMPOSE.read_text().count(ALL_INTERFACES) == allowed
@@ -118,13 +210,7 @@ def test_all_interfaces_only_inside_loopback_published_containers():
 # ---- kubernetes ---------------------------------------------------------------------------------------------
 
 def ray_cluster_specs() -> list[dict]:
-    specs = []
-    for doc in k8s_docs():
-        if doc["kind"] == "RayCluster":
-            specs.append(doc["spec"])
-        elif doc["kind"] == "RayJob":
-            specs.append(doc["spec"]["rayClusterSpec"])
-    return specs
+    return [spec for doc in k8s_docs() for spec in _ray_specs(doc)]
 
 
 def containers(spec: dict) -> list[dict]:
@@ -195,15 +281,15 @@ def test_start_sh_syntax_and_loopback_default():
     assert re.search(r'^host="\$\{MLFLOW_HOST:-127\.0\.0\.1\}"$', text, re.M)
 
 
-def run_start_sh(tmp_path: Path, **env: str) -> list[str]:
-    """Run start.sh with a fake `mlflow` on PATH that prints its arguments one per line."""
+def run_start_sh(tmp_path: Path, script: Path = START_SH, **env: str) -> list[str]:
+    """Run start.sh (`script`) with a fake `mlflow` on PATH that prints its arguments one per line."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     (fake / "mlflow").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
     (fake / "mlflow").chmod(0o755)
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    out = subprocess.run(["bash", str(START_SH)], cwd=work, capture_output=True, text=True, check=True,
+    out = subprocess.run(["bash", str(script)], cwd=work, capture_output=True, text=True, check=True,
                          env={"PATH": f"{fake}:/usr/bin:/bin", "PWD": str(work), **env})
     return out.stdout.splitlines()
 
