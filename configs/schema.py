@@ -175,6 +175,12 @@ class RewardConfig(Section):
     generation_chunks: int = Field(1, gt=0)
     """Split each step's prompts into this many generation calls (per domain at least one), so scoring
     can start before generation ends."""
+    max_failure_rate: float = Field(0.5, ge=0, le=1)
+    """Share of a domain's samples per step on which its reward may fail (raise, time out, return NaN;
+    each scores 0 and is logged as a warning) before the step counts towards failure_patience."""
+    failure_patience: int = Field(3, gt=0)
+    """Consecutive steps above max_failure_rate after which the run stops with the domain, the reward
+    and its first exception."""
 
     @model_validator(mode="after")
     def _known(self):

@@ -37,7 +37,9 @@ def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, li
 
     A reward is a function of its sample, so identical samples (one prompt, completion and columns: a
     GRPO group's repeats) are scored once; event counts (``timeout``, ``error``, …) are of distinct samples.
-    ``stats`` are sums (``summarize`` turns the stats of several chunks and domains into metrics)."""
+    ``stats`` are sums (``summarize`` turns the stats of several chunks and domains into metrics), plus the
+    ``reward`` name and, of the ``distinct`` samples, the ``failed`` ones and the ``first_failure`` text
+    (``engines.rewards.failures.failures_by_domain`` reads those)."""
     start = time.perf_counter()
     first: dict[str, int] = {}  # a sample's key -> its index among the distinct samples
     unique, row_to_unique = [], []  # the first row of each distinct sample; each row's distinct sample
@@ -47,17 +49,19 @@ def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, li
             first[key] = len(unique)
             unique.append(i)
         row_to_unique.append(first[key])
-    values, events = score_samples(spec.reward, [prompts[i] for i in unique], [rollouts.completions[i] for i in unique],
-                                   {k: [v[i] for i in unique] for k, v in columns.items()}, spec.options,
-                                   chunk_size=spec.chunk_size, concurrency=spec.concurrency, timeout_s=spec.timeout_s)
-    rewards = torch.tensor(values, dtype=torch.float32)[torch.tensor(row_to_unique, dtype=torch.long)]
+    scoring = score_samples(spec.reward, [prompts[i] for i in unique], [rollouts.completions[i] for i in unique],
+                            {k: [v[i] for i in unique] for k, v in columns.items()}, spec.options,
+                            chunk_size=spec.chunk_size, concurrency=spec.concurrency, timeout_s=spec.timeout_s)
+    rewards = torch.tensor(scoring.rewards, dtype=torch.float32)[torch.tensor(row_to_unique, dtype=torch.long)]
     lengths = rollouts.response_lengths.float()
     stats = {
         "domain": spec.domain, "n": len(rewards), "reward_sum": float(rewards.sum()),
         "reward_sq_sum": float((rewards ** 2).sum()), "correct": int((rewards >= 1.0).sum()),
         "length_sum": float(lengths.sum()), "length_max": float(lengths.max()) if len(lengths) else 0.0,
-        "truncated": sum(r == "length" for r in rollouts.finish_reasons), "events": events,
+        "truncated": sum(r == "length" for r in rollouts.finish_reasons), "events": scoring.events,
         "generate_s": rollouts.compute_seconds, "score_s": time.perf_counter() - start,
+        "reward": spec.reward, "distinct": len(unique), "failed": scoring.failed,
+        "first_failure": scoring.first_failure,
     }
     return rewards, stats
 
@@ -84,7 +88,7 @@ def summarize(stats: list[dict]) -> dict[str, float]:
         "rollout/tokens": sum(s["length_sum"] for s in stats),
         "perf/generate_compute_s": sum(s["generate_s"] for s in stats),
         "perf/score_compute_s": sum(s["score_s"] for s in stats),
-        "reward/failed": float(sum(overall["events"][k] for k in ("error", "timeout", "nan"))),
+        "reward/failed": float(sum(s["failed"] for s in stats)),  # distinct samples the reward failed on
     }
     domains = sorted({s["domain"] for s in stats})
     if domains != ["default"]:

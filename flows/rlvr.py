@@ -35,6 +35,7 @@ from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import PolicyObjective, ValueObjective
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, refill_rows
 from engines.data.domains import draw
+from engines.rewards.failures import RewardFailureMonitor, failures_by_domain
 from engines.rollout_ops import AdvantageSpec, ScoreSpec, summarize
 from engines.training.torch import OptimSpec
 from engines.types import SamplingParams
@@ -190,7 +191,8 @@ def build_chunks(cfg: Config, engines: RLEngines, drawn: list, seed: int) -> lis
     return chunks
 
 
-def sample_batch(cfg: Config, engines: RLEngines, domains: list, positions: dict[str, int], step: int) -> ScoredBatch:
+def sample_batch(cfg: Config, engines: RLEngines, domains: list, positions: dict[str, int], step: int,
+                 reward_failures: RewardFailureMonitor | None = None) -> ScoredBatch:
     """Generate and score ``prompts_per_step × group_size`` rollouts, each domain's share of them.
 
     With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
@@ -208,6 +210,8 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, positions: dict
         stats = [r[2] for r in results]
         if round_index == 0:
             metrics.update(summarize(stats))
+            if reward_failures is not None:  # warns per domain with failures; raises past reward.failure_patience
+                reward_failures.update(step, failures_by_domain(stats))
         else:
             metrics["rollout/tokens"] += sum(s["length_sum"] for s in stats)
         prompts = [p for c in chunks for p in c.prompts]
@@ -293,13 +297,15 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
         tracker.log_step("eval", 0, eval_metrics(accuracy, per_domain))
         tracker.log_samples("eval_step_000000", samples[: cfg.tracking.num_samples])
 
+    reward_failures = RewardFailureMonitor(max_failure_rate=cfg.reward.max_failure_rate, patience=cfg.reward.failure_patience,
+                                           streaks=state.get("reward_failures"))  # a resume keeps counting
     progress = StageProgress("rl", cfg.train.steps, start=state["step"],
                              keys=("reward/mean", "eval/heldout_accuracy", "time/step"))
     with tracker.sent_on_error():  # a failing run's last metrics are the ones to see
         for step in range(state["step"] + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
             tracker.flush_if_due(cfg.tracking.flush_every_s)  # earlier steps' metrics, timed as part of this step
-            scored = sample_batch(cfg, engines, domains, state["domain_positions"], step)
+            scored = sample_batch(cfg, engines, domains, state["domain_positions"], step, reward_failures)
             metrics = scored.metrics
             with timed(metrics, "time/advantages"):
                 batch_ref, advantage_metrics, moments = compute_advantages(
@@ -324,6 +330,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
             state["step"], state["domain_positions"] = step, scored.positions
             state["data_position"] = sum(scored.positions.values())  # prompts drawn so far, all domains
             state["reward_moments"] = dataclasses.asdict(moments)
+            state["reward_failures"] = reward_failures.state()
 
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 with timed(metrics, "time/evaluate"):  # evaluation and its sample table

@@ -137,3 +137,15 @@ def test_reward_worker_warms_up_the_rewards_it_is_given():
     assert RewardWorker().warmed == []
     with pytest.raises(KeyError, match="'nope'"):
         RewardWorker(rewards=("nope",))
+
+
+def test_reward_failed_counts_the_runner_s_failures_not_the_reward_s_own_events():
+    from engines.rollout_ops import summarize
+
+    base = {"n": 4, "reward_sum": 1.0, "reward_sq_sum": 1.0, "correct": 1, "length_sum": 8.0, "length_max": 2.0,
+            "truncated": 0, "generate_s": 0.0, "score_s": 0.0, "reward": "code", "distinct": 4}
+    stats = [{**base, "domain": "a", "events": {"error": 3, "timeout": 1}, "failed": 1, "first_failure": "X: y"},
+             {**base, "domain": "b", "events": {"error": 2}, "failed": 0, "first_failure": None}]
+    # events merge the runner's failures with the reward's own (a code sample's error): 6 events, 1 failure
+    metrics = summarize(stats)
+    assert metrics["reward/failed"] == 1.0 and metrics["domain/a/error"] == 3.0
