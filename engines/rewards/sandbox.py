@@ -51,8 +51,8 @@ Statuses: ``ok`` (exit 0); ``error`` (another exit: an exception, a syntax error
 Not covered: reads (the code reads what its uid may; only the interpreter's unreadable parent is
 hidden); ``os.mkfifo``/``os.mknod`` are unaudited, so without the read-only mounts an empty FIFO can be
 left in a world-writable directory; no PID namespace (``/proc`` lists the host's processes). CPython
-calls audit hooks no sandbox: the kernel layers are the boundary, and they need root. Cost on the
-2-core dev box as root: ~25 ms for ``print(1)`` (interpreter start, namespaces, uid sweep).
+calls audit hooks no sandbox: the kernel layers are the boundary, and they need root. A call costs
+tens of milliseconds even for ``print(1)`` (interpreter start, namespaces, uid sweep).
 
 >>> run_python("print(sum(range(10)))").stdout
 '45\\n'
@@ -63,13 +63,11 @@ calls audit hooks no sandbox: the kernel layers are the boundary, and they need 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import math
 import os
 import pathlib
-import random
 import secrets
 import selectors
 import shutil
@@ -77,9 +75,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
+
+from engines.rewards import sandbox_uids as uids
+from engines.rewards.sandbox_uids import SandboxError
 
 VIOLATION_EXIT = 113  # the audit hook blocked an action
 MEMORY_EXIT = 114  # an uncaught MemoryError
@@ -87,13 +87,7 @@ DISK_EXIT = 115  # an uncaught EFBIG / ENOSPC: a file or the temp dir is full
 SETUP_EXIT = 116  # the bootstrap could not confine the process: run_python raises SandboxError
 
 _MAX_OPEN_FILES = 64  # RLIMIT_NOFILE
-_UID_BASE, _UID_COUNT = 1 << 30, 1 << 20  # sandbox uids under root: one per run, never a real user's
-_LOCK_PATH = "/run/rollflow-sandbox-uids.lock"  # byte uid - _UID_BASE locked while a run holds that uid
 _ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-
-class SandboxError(RuntimeError):
-    """The sandbox could not be set up (an environment problem, not the code's fault)."""
 
 
 @dataclass(frozen=True)
@@ -145,12 +139,12 @@ def run_python(
             if reveal and (root + "/").startswith(reveal[0] + "/"):
                 raise SandboxError(f"the sandbox temp dir {root} is inside {reveal[0]}, which the sandbox hides; "
                                    "point TMPDIR elsewhere")
-            uid = _claim_uid()
+            uid = uids.claim_uid()
             os.chown(root, uid, uid)
             nproc = max_processes
         else:
             reveal = None
-            nproc = _count_tasks(os.getuid()) + max_processes
+            nproc = uids.count_tasks(os.getuid()) + max_processes
         solution, token = ".solution.py", secrets.token_hex(16)
         fd = os.open(os.path.join(root, solution), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with open(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
@@ -163,8 +157,8 @@ def run_python(
         return _run(cfg, env, stdin.encode("utf-8", "surrogatepass"), wall_s, max_output_bytes, token)
     finally:
         if uid is not None:
-            _kill_uid(uid)
-            _release_uid(uid)
+            uids.kill_uid(uid)
+            uids.release_uid(uid)
         shutil.rmtree(root, onerror=_force_remove)
 
 
@@ -268,102 +262,11 @@ def _force_remove(func, path, exc_info) -> None:
             os.unlink(path)
 
 
-# ---- uids and processes ----------------------------------------------------------------------------
+# ---- privileges ------------------------------------------------------------------------------------
 
 def _privileged() -> bool:
     """Whether runs get the root-only layers (own uid, namespaces); a function so tests can turn it off."""
     return os.geteuid() == 0
-
-
-_uids_lock = threading.Lock()
-_uids_in_use: set[int] = set()
-_lock_fd: list[int] = []  # kept open for the process's life: closing any fd of the file drops POSIX locks
-
-
-def _claim_uid() -> int:
-    """A uid no other run (thread or process) holds, until ``_release_uid``."""
-    if not _uid_range_mapped():
-        raise SandboxError(f"uids {_UID_BASE}..{_UID_BASE + _UID_COUNT - 1} are not mapped in this user "
-                           "namespace (/proc/self/uid_map); the sandbox runs code as one of them")
-    with _uids_lock:
-        if not _lock_fd:
-            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-            try:
-                path, fd = _LOCK_PATH, os.open(_LOCK_PATH, flags, 0o600)
-            except OSError:  # no writable /run
-                path = os.path.join(tempfile.gettempdir(), os.path.basename(_LOCK_PATH))
-                fd = os.open(path, flags, 0o600)
-            if os.fstat(fd).st_uid != 0:
-                os.close(fd)
-                raise SandboxError(f"the sandbox uid lock file {path} is not owned by root")
-            _lock_fd.append(fd)
-        for _ in range(1000):
-            uid = _UID_BASE + random.randrange(_UID_COUNT)
-            if uid in _uids_in_use:
-                continue
-            try:
-                fcntl.lockf(_lock_fd[0], fcntl.LOCK_EX | fcntl.LOCK_NB, 1, uid - _UID_BASE)
-            except OSError:  # another process runs a sandbox as this uid
-                continue
-            _uids_in_use.add(uid)
-            return uid
-    raise SandboxError("no free sandbox uid after 1000 draws")
-
-
-def _release_uid(uid: int) -> None:
-    with _uids_lock:
-        fcntl.lockf(_lock_fd[0], fcntl.LOCK_UN, 1, uid - _UID_BASE)
-        _uids_in_use.discard(uid)
-
-
-def _uid_range_mapped() -> bool:
-    with open("/proc/self/uid_map") as f:
-        ranges = [[int(x) for x in line.split()] for line in f]
-    return any(inner <= _UID_BASE and _UID_BASE + _UID_COUNT <= inner + count for inner, _, count in ranges)
-
-
-def _status_of(pid: int | str) -> tuple[set[int], str, int] | None:
-    """(uids, state, threads) of a process from /proc/<pid>/status; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-    except OSError:
-        return None
-    return {int(x) for x in fields["Uid"].split()}, fields["State"].split()[0], int(fields["Threads"])
-
-
-def _live(uid: int) -> list[tuple[int, int]]:
-    """(pid, threads) of every live (non-zombie) process with ``uid`` among its uids."""
-    infos = [(int(name), _status_of(name)) for name in os.listdir("/proc") if name.isdigit()]
-    return [(pid, info[2]) for pid, info in infos if info and uid in info[0] and info[1] != "Z"]
-
-
-def _count_tasks(uid: int) -> int:
-    """Processes + threads running as ``uid`` now: what RLIMIT_NPROC counts."""
-    return sum(threads for _, threads in _live(uid))
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` until none is left; a pidfd pins each, so a reused pid is safe."""
-    for _ in range(200):
-        pids = [pid for pid, _ in _live(uid)]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except OSError:  # already gone
-                continue
-            try:
-                info = _status_of(pid)  # read after pinning: still the same process if it is still there
-                if info and uid in info[0]:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                os.close(pidfd)
-        time.sleep(0.001)
-    raise SandboxError(f"processes of sandbox uid {uid} survive SIGKILL: {_live(uid)}")
 
 
 @functools.lru_cache(maxsize=None)

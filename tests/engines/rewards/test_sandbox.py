@@ -115,15 +115,15 @@ def test_kernel_layers_alone_contain_fork_bomb_network_and_writes(monkeypatch, l
 @root_only
 def test_leftover_processes_of_a_sandbox_uid_are_killed():
     # A process of the uid outside the sandbox's process group (what an escaped child would be).
-    uid = sandbox._claim_uid()
+    uid = sandbox.uids.claim_uid()
     try:
         proc = subprocess.Popen(["sleep", "30"], user=uid, group=uid, start_new_session=True)
         assert live_pids(uid=uid) == [proc.pid]
-        sandbox._kill_uid(uid)
+        sandbox.uids.kill_uid(uid)
         assert proc.wait(timeout=5) == -signal.SIGKILL
         assert live_pids(uid=uid) == []
     finally:
-        sandbox._release_uid(uid)
+        sandbox.uids.release_uid(uid)
 
 
 def test_infinite_loop_times_out_on_the_wall_clock():
