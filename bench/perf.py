@@ -141,10 +141,10 @@ def grpo_iter_vs_trl() -> dict:
 
 # -- 2 and 3 --------------------------------------------------------------------------------------------------
 # The warm start of each size: SFT until the first check of held-out accuracy at or above SFT_ACCURACY. A fixed
-# number of steps lands at different accuracies on different CPUs (600 tiny steps: 0.405 on an AMD EPYC VM,
-# 0.215 on an Intel Xeon VM), and the fixed RL target is a fair test only from a start a set margin below it.
-# Checks cost one evaluation each (~0.1 s tiny, ~1 s bench); the tiny model's accuracy jumps by up to 0.25
-# within 100 steps, so it is checked often.
+# number of steps lands at different accuracies on different CPUs (float rounding changes what is sampled), and
+# the fixed RL target is a fair test only from a start a set margin below it. Checks cost one evaluation each
+# (~0.1 s tiny, ~1 s bench); the tiny model's accuracy jumps by up to 0.25 within 100 steps, so it is checked
+# often.
 SFT_LR = {"tiny": 1e-3, "bench": 3e-4}
 SFT_CHECK_EVERY = {"tiny": 10, "bench": 25}
 SFT_ACCURACY, SFT_MAX_STEPS = 0.3, 2000
@@ -187,11 +187,10 @@ def _sft_checkpoint(out_dir: str, size: str = "tiny") -> tuple[str, dict]:
 
 
 # Per size: RL steps at most, the learning rate of both sides, and the sampling seeds each side runs with.
-# configs/quickstart.yaml's 2e-4 is for its tiny model; at the bench size it drove held-out accuracy from 0.32
-# to 0.01 in 30 steps, 2e-5 to 0.54. The step at which one run first crosses the target depends on its seed
-# (from one checkpoint, TRL crossed at steps 22, 12, 24, 12 and 16 with seeds 0-4), so at the bench size each
-# side's time is the median over five seeds: its runs are not paired with the other side's. Three seeds gave
-# 0.38-0.40 where seeds 3 and 4 were both faster for TRL than its median of the three.
+# configs/quickstart.yaml's 2e-4 is for its tiny model; at the bench size it collapses held-out accuracy, and
+# 2e-5 raises it. The step at which one run first crosses the target depends on its seed (up to twice as many
+# steps from one checkpoint), so at the bench size each side's time is the median over five seeds; its runs
+# are not paired with the other side's.
 TTA_RUNS = {"bench": {"steps": 40, "lr": 2e-5, "seeds": (0, 1, 2, 3, 4)},
             "tiny": {"steps": 120, "lr": 2e-4, "seeds": (0,)}}
 TTA_EVAL_EVERY = 2  # held-out accuracy every 2 steps on both sides: the crossing to a step or two
@@ -350,10 +349,10 @@ def train_packing() -> dict:
 
 # -- 6 ----------------------------------------------------------------------------------------------------------
 SYNC_REPEATS = 20
-# libgomp's idle worker spins ~9 ms of CPU after a parallel region before it sleeps (GOMP_SPINCOUNT's
-# default; measured here). After the baseline copy that spin would take one of the 2 cores from the sync
-# timed next (2-3 ms of its time), so the driver waits it out first. It waits busy because a machine left
-# idle wakes slowly: after a 30 ms sleep instead, the copy itself measured 8-10 ms rather than 5-7.
+# libgomp's idle worker spins ~10 ms of CPU after a parallel region before it sleeps (GOMP_SPINCOUNT's
+# default). After the baseline copy that spin would take one of the 2 cores from the sync timed next, so the
+# driver waits it out first. It waits busy because a machine left idle wakes slowly: after a sleep the next
+# copy runs markedly slower.
 BASELINE_SPIN_S = 0.015
 
 

@@ -13,11 +13,10 @@ from engines.actors import NAMESPACE
 
 
 # libgomp's idle OpenMP workers spin for GOMP_SPINCOUNT rounds after each parallel region before they sleep;
-# its default, 300000, burns ~9 ms of a core (measured: 8.5-10.4 ms of CPU in a 50 ms idle window after
-# a matmul). Engines that take turns on the same cores (generate, score, train, sync) each started beside
-# the spin of the one before. 30000 (~1 ms) still covers the gaps between one engine call's ops:
-# quickstart steps took 0.116 s against 0.138 s (medians of 4 alternating runs of 40 steps); at 10000 the
-# threads sleep between ops and steps were slower than at the default.
+# its default, 300000, keeps a core busy for ~10 ms. The engines take turns on the same cores (generate,
+# score, train, sync), so each would start beside the spin of the one before. 30000 (~1 ms) still covers
+# the gaps between one engine call's ops; much lower, the threads sleep between ops and every op pays
+# for waking them.
 GOMP_SPINCOUNT = "30000"
 
 
@@ -46,11 +45,10 @@ def ensure_ray() -> None:
 
 
 # Settings of the temporary server that ``start_prefect_server`` starts, by (service, field); a value the
-# user set (environment or profile) wins. Its task-run recorder writes each task-run event, three per task,
-# in an INSERT of its own by default (batch size 1): ~16 ms of server CPU per task on 2 cores, which the
-# engines' steps then share a core with. In batches of up to 200, flushed every second (events: 500,
-# every 2 s), it takes ~8 ms. Task runs reach the server's database up to a second later; when the
-# server stops it writes the rest.
+# user set (environment or profile) wins. By default its task-run recorder writes each task-run event,
+# three per task, in an INSERT of its own (batch size 1), and that server CPU is taken from the engines'
+# cores. Batches of up to 200 flushed every second (events: 500, every 2 s) halve the server's CPU per
+# task. Task runs reach the server's database up to a second later; when the server stops it writes the rest.
 EMBEDDED_SERVER_SETTINGS = {
     ("task_run_recorder", "batch_size"): 200,
     ("task_run_recorder", "flush_interval"): 1.0,

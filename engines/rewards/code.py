@@ -24,7 +24,7 @@ Events, each counted once per completion that had it on any test: ``timeout``, `
 ``violation``, ``output_limit``, ``error`` (an exception other than a failed assert, a non-zero exit, a
 syntax error), ``no_code``.
 
-Time: ~25 ms per test on the 2-core dev box (the interpreter start dominates), ``wall_s`` for one that
+Time: tens of milliseconds per test (the interpreter start dominates), ``wall_s`` for one that
 hangs; a call costs about ``ceil(completions * tests / workers) * per-test time``, which the domain's
 ``timeout_s`` must cover. Known hole: an assert ``f(x) == y`` passes when ``f`` returns an object whose
 ``__eq__`` always says True; stdin/stdout tests compare text and are not fooled that way.

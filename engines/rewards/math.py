@@ -10,13 +10,11 @@ is sympy evaluating a huge number: ``verify`` on ``9^9^9`` never returns. ``_too
 size of every parsed number before ``verify`` runs and scores 0.0 when one may exceed
 ``_MAX_DIGITS`` digits.
 
-Cost, measured on a 2-core CPU box over a batch of 64 (8 answers x 8 completions): 0.3-0.9 ms per
-item through math-verify (``\\boxed{3}`` 0.3 ms, ``The answer is 3`` 0.8 ms), about 2 µs per item on
-the fast path, where the stripped completion and the answer are both plain integers (the usual case
-on the arithmetic task). math-verify and sympy build their parsers and simplifiers on first use: the
-first expression in a process took 28 ms, the first ``\\frac`` 45 ms and the first fraction against an
-integer answer 79 ms, then ~1 ms each. ``warm_up`` (run by reward workers at start, ~0.2 s) takes those
-paths once: afterwards none of 84 mixed completion/answer pairs took over 5 ms.
+Cost: under a millisecond per item through math-verify, microseconds on the fast path, where the
+stripped completion and the answer are both plain integers (the usual case on the arithmetic task).
+math-verify and sympy build their parsers and simplifiers on first use, tens of milliseconds for each
+kind of expression; ``warm_up`` (run by reward workers as they start) takes those paths once, so the
+first training steps do not pay for them.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def _read_torch(uri: str):
 
 
 def _fused_adamw(model: torch.nn.Module) -> bool:
-    """AdamW's fused kernel (one pass per parameter) where torch has it: 9x faster than the default
-    per-tensor loop on CPU for a 26M-parameter model (127 -> 14 ms a step), the same update."""
+    """Whether AdamW can use its fused kernel (one pass per parameter: the same update as the default
+    per-tensor loop, an order of magnitude faster on CPU): floating-point parameters on CPU or CUDA."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in model.parameters())
 
 
