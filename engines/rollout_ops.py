@@ -6,6 +6,7 @@ store, and tests call them directly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.algorithms import advantages, kl
+from engines.algorithms.advantages import outcome_token_rewards
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, shape_advantages, shape_sequence_rewards
 from engines.rewards import warm_up
 from engines.rewards.runner import score_samples
-from engines.types import Rollouts, TrainBatch, build_train_batch
+from engines.types import Rollouts, build_train_batch
 
 
 @dataclass(frozen=True)
@@ -121,14 +123,6 @@ class AdvantageSpec:
     kl_in_reward: bool = False
 
 
-def outcome_token_rewards(sequence_rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's reward on its last response token: [B] → [B, L]."""
-    last = (loss_mask * torch.arange(loss_mask.shape[1])).argmax(-1)  # [B]
-    token_rewards = torch.zeros_like(loss_mask)
-    token_rewards[torch.arange(len(last)), last] = sequence_rewards
-    return token_rewards * loss_mask
-
-
 def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor, spec: AdvantageSpec, *,
                     ref_logprobs: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
                     values: torch.Tensor | None = None, kl_coef: float = 0.0,
@@ -156,15 +150,15 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
             summary["kl/coef"] = kl_coef
     if values is not None:
         tensors["values"] = values[:, :width] * mask
-    adv, returns = advantages.compute(spec.estimator, token_rewards=token_rewards, loss_mask=mask,
-                                      group_ids=group_ids, values=tensors.get("values"), **spec.options)
+    adv, returns = advantages.compute(spec.estimator, token_rewards=token_rewards, loss_mask=mask, group_ids=group_ids,
+                                      values=tensors.get("values"), outcome_rewards=shaped, **spec.options)
     adv = shape_advantages(adv, mask, spec.shaping)
     if spec.shaping.overlong_filter:  # DAPO: truncated samples carry no learning signal, drop them from the loss
-        kept = torch.tensor([reason != "length" for reason in rollouts.finish_reasons], dtype=mask.dtype)
+        kept = torch.tensor([reason != "length" for reason in rollouts.finish_reasons], dtype=mask.dtype, device=mask.device)
         mask = mask * kept.unsqueeze(-1)
         summary["shaping/overlong_filtered_frac"] = 1.0 - float(kept.mean())
-    batch = TrainBatch(batch.input_ids, batch.attention_mask, mask,
-                       {**batch.tensors, **tensors, "advantages": adv * mask, "returns": returns * mask})
+    batch = dataclasses.replace(batch, loss_mask=mask,
+                                tensors={**batch.tensors, **tensors, "advantages": adv * mask, "returns": returns * mask})
     is_response = mask.bool()
     summary["advantage/mean"] = float(adv[is_response].mean()) if is_response.any() else 0.0
     summary["advantage/abs_mean"] = float(adv[is_response].abs().mean()) if is_response.any() else 0.0
@@ -173,10 +167,14 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
 
 
 def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
-    """Rows ``rows[k]`` of ``parts[k]``, concatenated in order (dynamic sampling's refilled batch)."""
+    """Rows ``rows[k]`` of ``parts[k]``, concatenated in order (dynamic sampling's refilled batch).
+
+    The multi-turn masks stay ``None`` when every part has none; else a part without them gets its defaults."""
     width = max(part.response_ids.shape[1] for part in parts)
     pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
     pick = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
+    multi_turn = any(part.response_loss_mask is not None or part.response_turn_index is not None for part in parts)
+    joined = lambda per_part: torch.cat([pad(per_part(part))[idx] for part, idx in zip(parts, rows)])  # noqa: E731
     return Rollouts(
         prompt_ids=[p for part, idx in zip(parts, rows) for p in pick(part.prompt_ids, idx)],
         response_ids=torch.cat([pad(part.response_ids)[idx] for part, idx in zip(parts, rows)]),
@@ -186,6 +184,8 @@ def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
         completions=[c for part, idx in zip(parts, rows) for c in pick(part.completions, idx)],
         weights_version=parts[0].weights_version,
         compute_seconds=sum(part.compute_seconds for part in parts),
+        response_loss_mask=joined(Rollouts.model_token_mask) if multi_turn else None,
+        response_turn_index=joined(Rollouts.turn_index) if multi_turn else None,
     )
 
 

@@ -4,12 +4,18 @@ Every estimator is a registered function with keyword-only arguments::
 
     adv, ret = advantages.compute("grpo", token_rewards=R, loss_mask=M, group_ids=G, values=None)
 
-- ``token_rewards`` ``[B, L]``: reward per token; an outcome reward sits on the last response token,
-  so a sequence's reward is ``(R * M).sum(-1)``.
-- ``loss_mask`` ``[B, L]``: 1.0 on response tokens, 0 elsewhere.
+- ``token_rewards`` ``[B, L]``: reward per token; an outcome reward sits on the last model token
+  (``outcome_token_rewards``), so a sequence's reward is ``(R * M).sum(-1)``.
+- ``loss_mask`` ``[B, L]``: 1.0 on the model's tokens, 0 elsewhere. A multi-turn row (prompt, then
+  several model-response / environment-observation segments) has holes at its observation tokens: they
+  are skipped, not episode ends. Returns and GAE recurse from one model token to the next model token
+  of the row, and discounting counts model tokens only; a single-turn row is the one-segment case.
 - ``group_ids`` ``[B]`` int64: rows with the same id are completions of the same prompt; ids need not
   be contiguous or sorted.
 - ``values`` ``[B, L]`` or ``None``: critic values, for estimators that use one.
+- ``outcome_rewards`` ``[B]`` or ``None``: each row's outcome reward before per-token penalties (the KL
+  in the reward), for estimators whose baseline is on the outcome alone; ``None`` means
+  ``token_rewards`` hold the outcome only.
 
 Outputs are 0 outside ``loss_mask`` and carry no gradient.
 """
@@ -36,6 +42,7 @@ def compute(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # [B, L]
+    outcome_rewards: torch.Tensor | None = None,  # [B]
     **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the named estimator; returns ``(advantages, returns)``, each ``[B, L]``."""
@@ -45,6 +52,7 @@ def compute(
         loss_mask=loss_mask,
         group_ids=group_ids,
         values=values,
+        outcome_rewards=outcome_rewards,
         **options,
     )
 
@@ -80,26 +88,38 @@ def group_max(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:  #
     """Each row's group maximum, gathered back to ``[B]``."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    maxima = torch.full((num_groups,), float("-inf"), dtype=scores.dtype).scatter_reduce(0, inverse, scores, "amax")
+    maxima = torch.full((num_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    maxima = maxima.scatter_reduce(0, inverse, scores, "amax")
     return maxima[inverse]
 
 
 def sequence_scores(token_rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """``r_i = sum_t R[i, t] * M[i, t]``, ``[B, L]`` → ``[B]``."""
+    """``r_i = sum_t R[i, t] * M[i, t]``, ``[B, L]`` → ``[B]``: the sum over the row's model tokens."""
     return (token_rewards * loss_mask).sum(dim=-1)
 
 
-def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = R_t + gamma * G_{t+1}`` over the response, ``[B, L]`` → ``[B, L]`` (0 outside the mask).
+def outcome_token_rewards(sequence_rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Place each row's reward on its last model token: ``[B]`` → ``[B, L]`` (0 for a row without one)."""
+    columns = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    last = (loss_mask * columns).argmax(-1)  # [B]
+    token_rewards = torch.zeros_like(loss_mask)
+    token_rewards[torch.arange(len(last), device=loss_mask.device), last] = sequence_rewards.to(loss_mask.dtype)
+    return token_rewards * loss_mask
 
-    Vectorised over rows; one reverse pass over ``L``. Response tokens are contiguous, so the
-    recursion runs through the (zero-reward) padding after a response without changing it.
+
+def discounted_returns(token_rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = R_t + gamma * G_{n(t)}`` on model tokens, ``[B, L]`` → ``[B, L]`` (0 outside the mask).
+
+    ``n(t)`` is the row's next model token after ``t`` (``G = 0`` past the last one): observation tokens
+    in a hole of the mask are skipped, so discounting counts model tokens only. Vectorised over rows;
+    one reverse pass over ``L`` that carries the running return unchanged across the holes.
     """
     rewards = token_rewards * loss_mask
+    is_model = loss_mask > 0
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])  # [B]
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(is_model[:, t], rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * loss_mask
 
@@ -111,6 +131,7 @@ def grpo(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused: GRPO has no critic
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +171,7 @@ def dr_grpo(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783, eq. 3)::
 
@@ -168,6 +190,7 @@ def rloo(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, arXiv:2402.14740, eq. 6; Kool et al. 2019)::
 
@@ -194,6 +217,7 @@ def reinforce_pp(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B], unused: REINFORCE++ has no group baseline
     values: torch.Tensor | None = None,  # unused
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
     gamma: float = 1.0,
     whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,22 +249,35 @@ def reinforce_pp_baseline(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
+    outcome_rewards: torch.Tensor | None = None,  # [B] r_i; None: r_i = sum_t R[i, t] M[i, t]
     gamma: float = 1.0,
     whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262 v3+): the group mean reward as baseline::
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262 v3+, "REINFORCE++ w/ Baseline"; OpenRLHF's
+    ``reinforce_baseline``): the group mean of the outcome reward as baseline, then the token-level KL in
+    the reward, then REINFORCE++'s discounted returns and global (batch) normalisation::
 
-        G[i, t] = sum_{k >= t} gamma^(k - t) R[i, k]       # [B, L]
-        A[i, t] = whiten_batch(G[i, t] - mean_g(r))        # r_i = sum_t R[i, t] M[i, t]
+        r'_i    = r_i - mean_g(r)                           # baseline on the outcome reward alone   [B]
+        R'[i,t] = R[i,t] - mean_g(r) * [t = last model token of i]
+                = r'_i * [t = last] - beta * KL_t            # R carries r_i on the last token and,
+                                                            # with kl.mode: reward, -beta * KL_t on each
+        G[i,t]  = sum_{k >= t} gamma^(#model tokens in (t, k]) R'[i,k]   # discounted_returns   [B, L]
+        A       = whiten_batch(G)                           # over every model token of the batch
 
-    The group mean removes the prompt's difficulty (as GRPO does) and the batch whitening replaces
-    GRPO's per-group std, which is unstable for small groups.
+    The group mean removes the prompt's difficulty (as GRPO does) without GRPO's per-group std; it is
+    subtracted where the outcome reward sits, so it is discounted like the reward, and the KL penalties
+    neither enter the mean nor are centred. ``outcome_rewards`` gives ``r`` when ``token_rewards``
+    include penalties; without it ``r`` is the row's reward sum (exact when there is no KL in the reward).
+
+    Returns:
+        ``(advantages, returns)`` with ``returns = G`` (the advantage before whitening).
     """
     with torch.no_grad():
-        returns = discounted_returns(token_rewards, loss_mask, gamma)
-        mean, _ = group_mean_std(sequence_scores(token_rewards, loss_mask), group_ids)
-        centred = (returns - mean.unsqueeze(-1)) * loss_mask
-        advantages = masked_whiten(centred, loss_mask) if whiten else centred
+        scores = sequence_scores(token_rewards, loss_mask) if outcome_rewards is None else outcome_rewards
+        mean, _ = group_mean_std(scores.to(token_rewards.dtype), group_ids)  # [B]
+        centred = token_rewards - outcome_token_rewards(mean, loss_mask)  # [B, L]
+        returns = discounted_returns(centred, loss_mask, gamma)
+        advantages = masked_whiten(returns, loss_mask) if whiten else returns
     return advantages, returns
 
 
@@ -251,6 +288,7 @@ def lite_ppo(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lite PPO's advantage (Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning",
@@ -264,7 +302,7 @@ def lite_ppo(
     with torch.no_grad():
         scores = sequence_scores(token_rewards, loss_mask)
         mean, _ = group_mean_std(scores, group_ids)
-        std = scores.std() if scores.numel() > 1 else torch.tensor(1.0)
+        std = scores.std() if scores.numel() > 1 else scores.new_ones(())
         advantages = ((scores - mean) / (std + eps)).unsqueeze(-1) * loss_mask
     return advantages, advantages
 
@@ -276,6 +314,7 @@ def raft_pp(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B]
     values: torch.Tensor | None = None,  # unused
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
     threshold: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RAFT++ (Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning: from Rejection Sampling to
@@ -301,6 +340,7 @@ def topr(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B], unused
     values: torch.Tensor | None = None,  # unused
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
     baseline: float = 0.0,
     positive_weight: float = 1.0,
     negative_weight: float = 1.0,
@@ -330,20 +370,24 @@ def gae(
     loss_mask: torch.Tensor,  # [B, L]
     group_ids: torch.Tensor,  # [B], unused
     values: torch.Tensor | None = None,  # [B, L] critic values V(s_t), aligned with the tokens
+    outcome_rewards: torch.Tensor | None = None,  # [B], unused
     gamma: float = 1.0,
     lam: float = 0.95,
     whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16) for PPO::
 
-        V'_t     = V_{t+1} * M_{t+1}               # 0 after the last response token
+        n(t)     = the row's next model token after t   # skips observation tokens (holes in M)
+        V'_t     = V_{n(t)}                         # 0 after the row's last model token
         delta_t  = R_t + gamma * V'_t - V_t
-        A_t      = delta_t + gamma * lam * A_{t+1} * M_{t+1}
+        A_t      = delta_t + gamma * lam * A_{n(t)}  # (A = 0 after the last model token)
         returns  = A + V                            # the critic's regression target
         A        = whiten_batch(A)                  if whiten
 
-    ``values[:, t]`` is the critic's value of the state before token ``t`` is generated (aligned like
-    logprobs). Vectorised over rows, one reverse pass over ``L``.
+    on model tokens (``M_t = 1``); 0 elsewhere. ``values[:, t]`` is the critic's value of the state before
+    token ``t`` is generated (aligned like logprobs). Observation tokens are part of the environment's
+    transition from one model token to the next, not episode ends. Vectorised over rows: one reverse pass
+    over ``L`` that carries ``V_{n(t)}`` and ``A_{n(t)}`` across holes.
 
     Args:
         gamma: discount factor.
@@ -355,13 +399,14 @@ def gae(
     with torch.no_grad():
         mask = loss_mask
         rewards, values = token_rewards * mask, values * mask
-        next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # [B, L]: V_{t+1} (0 beyond the response)
-        next_mask = torch.nn.functional.pad(mask[:, 1:], (0, 1))  # [B, L]
-        deltas = rewards + gamma * next_values - values  # [B, L]
+        is_model = mask > 0
         advantages = torch.zeros_like(rewards)
-        running = torch.zeros_like(rewards[:, 0])  # [B]
+        running = torch.zeros_like(rewards[:, 0])  # [B]: A at the next model token
+        next_value = torch.zeros_like(rewards[:, 0])  # [B]: V at the next model token
         for t in reversed(range(rewards.shape[1])):
-            running = deltas[:, t] + gamma * lam * running * next_mask[:, t]
+            delta = rewards[:, t] + gamma * next_value - values[:, t]
+            running = torch.where(is_model[:, t], delta + gamma * lam * running, running)
+            next_value = torch.where(is_model[:, t], values[:, t], next_value)
             advantages[:, t] = running
         advantages = advantages * mask
         returns = (advantages + values) * mask

@@ -11,7 +11,8 @@ Order inside ``rollout_ops.advantage_batch`` (each step optional, all configured
     A    = whiten(A), clamp(A, -advantage_clip, advantage_clip)
     M_i  = 0 for truncated rows when overlong_filter                   # DAPO overlong filtering
 
-Masks are 1.0 on response tokens and 0 elsewhere.
+Masks are 1.0 on the model's tokens and 0 elsewhere (prompt, padding and, in a multi-turn row, the
+environment's observation tokens).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def no_norm(*, rewards: torch.Tensor, group_ids: torch.Tensor, moments: RunningM
 @REWARD_NORMS.register("batch")
 def batch_norm(*, rewards: torch.Tensor, group_ids: torch.Tensor, moments: RunningMoments, eps: float = 1e-6):
     """``(r - mean_batch(r)) / (std_batch(r) + eps)`` (unbiased std; a batch of one gives ``r - r = 0``)."""
-    std = rewards.std() if rewards.numel() > 1 else torch.tensor(1.0)
+    std = rewards.std() if rewards.numel() > 1 else rewards.new_ones(())
     return (rewards - rewards.mean()) / (std + eps), moments
 
 
@@ -145,8 +146,8 @@ def informative_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
     """
     _, inverse = torch.unique(group_ids, return_inverse=True)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    lo = torch.full((num_groups,), float("inf")).scatter_reduce(0, inverse, rewards.float(), "amin")
-    hi = torch.full((num_groups,), float("-inf")).scatter_reduce(0, inverse, rewards.float(), "amax")
+    lo = torch.full((num_groups,), float("inf"), device=rewards.device).scatter_reduce(0, inverse, rewards.float(), "amin")
+    hi = torch.full((num_groups,), float("-inf"), device=rewards.device).scatter_reduce(0, inverse, rewards.float(), "amax")
     return (hi > lo)[inverse]
 
 
@@ -155,7 +156,7 @@ def refill_rows(rewards: torch.Tensor, group_size: int, room: int) -> list[int]:
 
     Rows come in contiguous groups of ``group_size`` (one prompt each); a dynamic-sampling step keeps
     what this returns from each round until ``room`` reaches 0."""
-    group_ids = torch.arange(len(rewards)) // group_size
+    group_ids = torch.arange(len(rewards), device=rewards.device) // group_size
     keep = informative_groups(rewards, group_ids)
     kept = [j for j in range(len(rewards) // group_size) if keep[j * group_size]][:room]
     return [j * group_size + k for j in kept for k in range(group_size)]

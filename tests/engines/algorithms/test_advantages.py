@@ -393,37 +393,50 @@ def test_reinforce_pp_matches_loop_reference(gamma, whiten):
 
 
 def test_reinforce_pp_baseline_hand_worked():
-    # gamma = 1, G = [4, 4, 8]. Row 0: prompt t0, response t1..t2, reward 1 -> G = [_, 1, 1, _]
-    # Row 1: response t0..t3, reward 0 -> G = [0, 0, 0, 0]; Row 2: response t0 only, reward 2 -> G = [2, _, _, _]
-    # group 4 mean r = (1 + 0) / 2 = 0.5, group 8 mean = 2 -> centred tokens:
-    #   row 0 [0.5, 0.5], row 1 [-0.5] * 4, row 2 [0]
-    # whiten over 7 tokens: mean = (1 - 2 + 0) / 7 = -1/7; dev = [9/14] * 2, [-5/14] * 4, [2/14]
-    #   sum sq = (2 * 81 + 4 * 25 + 4) / 196 = 266 / 196, var = 266 / 196 / 6 = 0.2261905, std 0.4755949
-    #   -> A = [1.3516898] * 2, [-0.7509388] * 4, [0.3003755]
-    R, M = _prompted_batch([1.0, 0.0, 2.0], starts=[1, 0, 0], lengths=[2, 4, 1], seq_len=4)
-    G = torch.tensor([4, 4, 8])
-    adv, ret = _compute("reinforce_pp_baseline", R, M, G, gamma=1.0)
-    torch.testing.assert_close(ret, torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]]))
-    std = math.sqrt(266 / 196 / 6)
-    expected = torch.tensor([[0.0, 9, 9, 0.0], [-5, -5, -5, -5], [2, 0.0, 0.0, 0.0]]) / 14 / std
-    torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)
-    # gamma = 0.5, no whitening: row 0 G = [_, 0.5, 1, _] - 0.5 = [_, 0, 0.5, _]; row 1 [-0.5] * 4; row 2 [0]
-    adv, ret = _compute("reinforce_pp_baseline", R, M, G, gamma=0.5, whiten=False)
-    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0, 0.5, 0.0], [-0.5] * 4, [0.0] * 4]))
-    torch.testing.assert_close(ret, torch.tensor([[0.0, 0.5, 1.0, 0.0], [0.0] * 4, [2.0, 0.0, 0.0, 0.0]]))
+    # One group, gamma = 0.5, a KL penalty in the token rewards (kl.mode: reward):
+    # row 0: prompt t0, response t1..t3, outcome r0 = 1, penalty -0.1 per token -> R = [_, -0.1, -0.1, 0.9, _]
+    # row 1: response t0..t1, outcome r1 = 0, penalty -0.2 per token            -> R = [-0.2, -0.2, _, _, _]
+    # The baseline is the group mean of the outcomes alone, (1 + 0) / 2 = 0.5 (the reward sums with the
+    # penalties, 0.7 and -0.4, would give 0.15), taken off where the outcome sits (the last model token):
+    #   R' = [_, -0.1, -0.1, 0.4, _] and [-0.2, -0.7, _, _, _]
+    # G (discounted with 0.5): row 0: G3 = 0.4, G2 = -0.1 + 0.2 = 0.1, G1 = -0.1 + 0.05 = -0.05
+    #                          row 1: G1 = -0.7, G0 = -0.2 - 0.35 = -0.55
+    R = torch.tensor([[0.0, -0.1, -0.1, 0.9, 0.0], [-0.2, -0.2, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    M = torch.tensor([[0.0, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=torch.float64)
+    G, r = torch.tensor([3, 3]), torch.tensor([1.0, 0.0], dtype=torch.float64)
+    adv, ret = _compute("reinforce_pp_baseline", R, M, G, outcome_rewards=r, gamma=0.5, whiten=False)
+    expected = torch.tensor([[0.0, -0.05, 0.1, 0.4, 0.0], [-0.55, -0.7, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(ret, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-12)
+    # Whitened over the 5 model tokens {-0.05, 0.1, 0.4, -0.55, -0.7}: mean -0.8 / 5 = -0.16,
+    #   dev [0.11, 0.26, 0.56, -0.39, -0.54], sum sq 0.0121 + 0.0676 + 0.3136 + 0.1521 + 0.2916 = 0.837,
+    #   unbiased var 0.837 / 4 = 0.20925 -> A = dev / sqrt(0.20925 + 1e-8); returns stay G.
+    adv, ret = _compute("reinforce_pp_baseline", R, M, G, outcome_rewards=r, gamma=0.5)
+    dev = torch.tensor([[0.0, 0.11, 0.26, 0.56, 0.0], [-0.39, -0.54, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(adv, dev / math.sqrt(0.20925 + 1e-8), rtol=0, atol=1e-9)
+    torch.testing.assert_close(ret, expected, rtol=0, atol=1e-12)
+    # Without outcome_rewards (no KL in the reward) r_i is the row's reward sum: here 0.7 and -0.4, mean 0.15.
+    # gamma 1: row 0 R' = [_, -0.1, -0.1, 0.75, _] -> G = [_, 0.55, 0.65, 0.75, _]; row 1 R' = [-0.2, -0.35] -> [-0.55, -0.35]
+    adv, _ = _compute("reinforce_pp_baseline", R, M, G, gamma=1.0, whiten=False)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.55, 0.65, 0.75, 0.0], [-0.55, -0.35, 0.0, 0.0, 0.0]],
+                                                 dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 @pytest.mark.invariant
 @pytest.mark.parametrize("gamma, whiten", [(1.0, True), (0.8, True), (0.9, False)])
 def test_reinforce_pp_baseline_matches_loop_reference(gamma, whiten):
-    R, M, G, _ = _random_batch(8)
+    R, M, G, _ = _random_batch(8)  # R: dense per-token rewards (penalties), outcomes apart
+    outcomes = torch.randn(len(G), generator=torch.Generator().manual_seed(80), dtype=torch.float64)
     Rl, Ml, Gl, _ = _plain(R, M, G)
-    s = _scores(Rl, Ml)
-    returns = _returns(Rl, Ml, gamma)
-    group_mean = [sum(s[j] for j in _members(Gl, i)) / len(_members(Gl, i)) for i in range(len(s))]
-    centred = [[(g - mu) * m for g, m in zip(gr, mr)] for gr, mu, mr in zip(returns, group_mean, Ml)]
-    expected = _whiten(centred, Ml) if whiten else centred
-    adv, ret = _compute("reinforce_pp_baseline", R, M, G, gamma=gamma, whiten=whiten)
+    r = outcomes.tolist()
+    centred_rewards = []
+    for i, (rr, mr) in enumerate(zip(Rl, Ml)):
+        last = max(t for t, m in enumerate(mr) if m)  # the outcome's token
+        mean = sum(r[j] for j in _members(Gl, i)) / len(_members(Gl, i))
+        centred_rewards.append([x * m - (mean if t == last else 0.0) for t, (x, m) in enumerate(zip(rr, mr))])
+    returns = _returns(centred_rewards, Ml, gamma)
+    expected = _whiten(returns, Ml) if whiten else returns
+    adv, ret = _compute("reinforce_pp_baseline", R, M, G, outcome_rewards=outcomes, gamma=gamma, whiten=whiten)
     torch.testing.assert_close(ret, _as_tensor(returns), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(adv, _as_tensor(expected), rtol=1e-9, atol=1e-10)
 
