@@ -40,6 +40,12 @@ class PolicyObjective:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
 
+    @property
+    def needs_entropy_grad(self) -> bool:
+        """Whether the loss trains through the entropy (``entropy_coef != 0``); otherwise the engine computes
+        it as a metric, without autograd over the vocabulary."""
+        return self.entropy_coef != 0
+
     def __call__(self, *, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch):
         mask = batch.loss_mask  # [B, L]
         loss, metrics = losses.compute(
@@ -112,6 +118,7 @@ class SFTObjective:
     """Supervised fine-tuning: ``loss = −mean over response tokens of log π(y_t | y_<t, x)``."""
 
     agg: str = "token-mean"
+    needs_entropy_grad = False  # the entropy is a metric only
 
     def __call__(self, *, logprobs: torch.Tensor, entropy: torch.Tensor | None, batch: TrainBatch):
         nll = aggregation.aggregate(self.agg, values=-logprobs, mask=batch.loss_mask)

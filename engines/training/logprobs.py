@@ -20,6 +20,19 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def token_entropy(log_probs: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    """``H = -sum_v p_v log p_v`` over the last (vocabulary) dimension, ``[..., V]`` → ``[...]``.
+
+    With ``grad`` the entropy is differentiable (an entropy bonus trains through it) and autograd keeps
+    ``p`` and ``p log p`` over the whole vocabulary for the backward pass. Without, it is a metric only:
+    computed under ``no_grad`` on detached log-probs, so none of that is kept."""
+    if grad:
+        return -(log_probs.exp() * log_probs).sum(-1)
+    with torch.no_grad():
+        detached = log_probs.detach()
+        return -(detached.exp() * detached).sum(-1)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # [B, L] int64
@@ -27,10 +40,12 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logprobs[:, t] = log softmax(logits_{t-1} / temperature)[input_ids[:, t]]``; column 0 is 0.
 
-    Returns ``(logprobs [B, L], entropy [B, L] or None)``; entropy is of the same tempered distribution.
+    Returns ``(logprobs [B, L], entropy [B, L] or None)``; entropy is of the same tempered distribution,
+    differentiable only with ``entropy_grad`` (``token_entropy``).
     """
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
@@ -40,8 +55,8 @@ def token_logprobs(
     picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
     zero = picked.new_zeros(picked.shape[0], 1)
     entropy = None
-    if with_entropy:  # differentiable: the entropy bonus trains through it
-        entropy = torch.cat([zero, -(log_probs.exp() * log_probs).sum(-1)], dim=1)
+    if with_entropy:
+        entropy = torch.cat([zero, token_entropy(log_probs, grad=entropy_grad)], dim=1)
     return torch.cat([zero, picked], dim=1), entropy
 
 
@@ -197,12 +212,14 @@ def packed_token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     share_prefixes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_logprobs`` at the ``needed`` tokens (0 elsewhere), computed on packed rows without padding;
     with ``share_prefixes``, rows with one prompt share it (see ``pack_sequences``).
 
-    Same values as the padded form up to float rounding; ``[B, L]`` outputs, differentiable."""
+    Same values as the padded form up to float rounding; ``[B, L]`` outputs, differentiable (the entropy
+    only with ``entropy_grad``)."""
     packed = pack_sequences(input_ids, attention_mask, needed, share_prefixes=share_prefixes, dtype=model.dtype)
     # without a mask, transformers tells the packed sequences apart by their restarting positions
     hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
@@ -215,7 +232,7 @@ def packed_token_logprobs(
     entropy = None
     if with_entropy:
         entropy = log_probs.new_zeros(input_ids.shape)
-        entropy[packed.target_index] = -(log_probs.exp() * log_probs).sum(-1)
+        entropy[packed.target_index] = token_entropy(log_probs, grad=entropy_grad)
     return out, entropy
 
 

@@ -116,17 +116,18 @@ class TorchTrainEngine:
         self.model.eval()
         return batched_values(self.model, build_train_batch(rollouts, pad_token_id=0), self.micro_batch_size)
 
-    def _forward(self, micro: TrainBatch) -> dict[str, torch.Tensor]:
+    def _forward(self, micro: TrainBatch, *, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+        """The loss function's inputs for ``micro``. The entropy is differentiable only with ``entropy_grad``
+        (the objective's ``needs_entropy_grad``); without, it is a metric and keeps no vocabulary-wide graph."""
         if self.head == "value":
             return {"values": token_values(self.model, micro.input_ids, micro.attention_mask)}
         if self.packing:
             logprobs, entropy = packed_token_logprobs(self.model, micro.input_ids, micro.attention_mask,
                                                       micro.loss_mask, temperature=self.temperature, with_entropy=True,
-                                                      share_prefixes=self.share_prompts)
+                                                      entropy_grad=entropy_grad, share_prefixes=self.share_prompts)
         else:
-            logprobs, entropy = token_logprobs(
-                self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature, with_entropy=True
-            )
+            logprobs, entropy = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
+                                               temperature=self.temperature, with_entropy=True, entropy_grad=entropy_grad)
         return {"logprobs": logprobs, "entropy": entropy}
 
     def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
