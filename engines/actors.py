@@ -12,29 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import os
 import time
 from typing import Any
 
 import ray
 
+from engines.backends import engine_class
+
 NAMESPACE = "rollflow"
-
-ENGINE_CLASSES = {
-    "rollout/hf": "engines.inference.hf:HFInferenceEngine",
-    "train/torch": "engines.training.torch:TorchTrainEngine",
-    "reference/torch": "engines.training.torch:ReferenceEngine",
-    "reward/worker": "engines.rollout_ops:RewardWorker",
-}
-
-
-def engine_class(kind: str) -> type:
-    try:
-        module, _, name = ENGINE_CLASSES[kind].partition(":")
-    except KeyError:
-        raise KeyError(f"unknown engine {kind!r}; registered: {', '.join(sorted(ENGINE_CLASSES))}") from None
-    return getattr(importlib.import_module(module), name)
 
 
 def actor_name(run_name: str, role: str, fingerprint: str) -> str:
@@ -68,8 +54,9 @@ def _responsive(handle, timeout_s: float) -> bool:
 def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num_cpus: float = 0,
                  num_gpus: float = 0, runtime_env: dict | None = None, max_concurrency: int | None = None,
                  **kwargs: Any):
-    """The actor ``<run>/<role>``: the live one built from the same ``kind`` and ``kwargs`` if there is
-    one and ``reuse``, else a new one (replacing any actor of this run and role). Pass ``reuse=False``
+    """The actor ``<run>/<role>`` of engine ``kind``, ``"<role kind>/<backend>"`` (``engines.backends``: a
+    short name or a dotted path, imported here): the live one built from the same ``kind`` and ``kwargs``
+    if there is one and ``reuse``, else a new one (replacing any actor of this run and role). Pass ``reuse=False``
     for a trainable engine that will not be restored from a checkpoint: its weights may have moved.
 
     Actors never restart and their calls never retry: a crash fails the step, and resume goes through

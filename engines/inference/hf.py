@@ -2,7 +2,9 @@
 
 Prompts are left-padded and decoded together; each step feeds one token per row through the cache.
 Logprobs are of ``logits / temperature`` before top-k/top-p filtering, the distribution the trainer
-recomputes, so train/rollout logprobs agree to float rounding.
+recomputes, so train/rollout logprobs agree to float rounding. Weights arrive as versioned updates
+(``begin_update``/``receive``/``commit``, the contract of ``engines.protocols``) or, from a trainer on
+the same node, through shared memory (``update_weights_shared``).
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from engines.models import load_model, load_tokenizer, set_torch_threads
+from engines.protocols import UpdateReport
 from engines.training.logprobs import position_ids_from_mask
 from engines.types import Rollouts, SamplingParams
-from engines.weight_sync import Bucket, SharedWeightReader, SharedWeights, load_buckets, node_id, weights_checksum
+from engines.weight_sync import Bucket, SharedWeightReader, SharedWeights, node_id, unpack_bucket, weights_checksum
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -30,6 +34,17 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
+
+
+@dataclass
+class _OpenUpdate:
+    """A weight update between ``begin_update`` and ``commit``: what has arrived so far."""
+
+    version: int
+    params: dict[str, torch.nn.Parameter]
+    received: set[str] = field(default_factory=set)
+    tensors: int = 0
+    nbytes: int = 0
 
 
 class HFInferenceEngine:
@@ -52,39 +67,107 @@ class HFInferenceEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
         self._version = 0
         self._shared: SharedWeightReader | None = None
+        self._update: _OpenUpdate | None = None  # between begin_update and commit
+        self._home: torch.device | None = None  # where offload() took the weights from; None while loaded
 
-    # -- weights -------------------------------------------------------------------------------------
-    def update_weights(self, version: int, buckets: list[Bucket]) -> str:
-        """Load a full set of weights published by the trainer; returns the new checksum."""
+    # -- weights: versioned updates (engines.protocols) ----------------------------------------------
+    def begin_update(self, version: int) -> None:
+        """Open weight update ``version``; re-opening the open version restarts it (a retried sync)."""
+        if self._update is not None and self._update.version != version:
+            raise RuntimeError(f"weight update v{self._update.version} is still open: commit it before "
+                               f"begin_update({version})")
         if self._shared is not None:  # parameters are views of the trainer's shared slots: own them again
             for param in self.model.parameters():
                 param.data = param.data.clone()
             self._shared = None
-        load_buckets(self.model, buckets)
-        self._version = version
-        return weights_checksum(self.model)
+        self._update = _OpenUpdate(version, dict(self.model.named_parameters()))
+
+    def receive(self, bucket: Bucket) -> int:
+        """Copy one bucket's tensors into the parameters of the same names; returns the tensors loaded."""
+        if self._update is None:
+            raise RuntimeError("receive() outside a weight update: call begin_update(version) first")
+        params = self._update.params
+        with torch.no_grad():
+            for name, tensor in unpack_bucket(bucket):
+                if name not in params:
+                    raise KeyError(f"weight {name!r} is not a parameter of the receiving model")
+                params[name].copy_(tensor)
+                self._update.received.add(name)
+        self._update.tensors += len(bucket.metas)
+        self._update.nbytes += int(bucket.data.nbytes)
+        return len(bucket.metas)
+
+    def commit(self, version: int) -> UpdateReport:
+        """Close update ``version`` once every parameter has arrived; it is the version held from now on.
+        This engine keeps no prefix cache across calls, so there is none to reset."""
+        update = self._update
+        if update is None or update.version != version:
+            opened = "no update is open" if update is None else f"the open update is v{update.version}"
+            raise RuntimeError(f"commit({version}) without begin_update({version}): {opened}")
+        missing = sorted(set(update.params) - update.received)
+        if missing:
+            raise ValueError(f"weight update v{version} is incomplete: {len(missing)} of {len(update.params)} "
+                             f"parameters not received, e.g. {missing[0]!r}")
+        self._update, self._version = None, version
+        return UpdateReport(version, weights_checksum(self.model), update.tensors, update.nbytes)
+
+    def update_weights(self, version: int, buckets: list[Bucket]) -> str:
+        """A whole update in one call (one Ray round trip): begin, receive every bucket, commit; returns
+        the new checksum."""
+        self.begin_update(version)
+        for bucket in buckets:
+            self.receive(bucket)
+        return self.commit(version).checksum
 
     def update_weights_shared(self, shared: SharedWeights | None) -> str | None:
         """Point the parameters into the trainer's shared-memory slot; returns the new checksum, or None
         when that slot is not reachable from here (another node, no slot), so the caller sends buckets."""
         if shared is None or shared.node_id != node_id() or not os.path.exists(shared.path):
             return None
+        self._check_ready("update_weights_shared()")
         self._shared = self._shared or SharedWeightReader()
         checksum = self._shared.load(self.model, shared)
         self._version = shared.version
         return checksum
 
     def weights_version(self) -> int:
+        """The version of the last committed update (0 before any)."""
         return self._version
 
     def weights_checksum(self) -> str:
+        """``weights_checksum`` of the weights held now."""
         return weights_checksum(self.model)
 
+    # -- memory ----------------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move the weights to CPU memory, freeing the accelerator's; generation is refused until ``reload``."""
+        if self._home is None:
+            self._home = next(self.model.parameters()).device
+            self.model.to("cpu")
+            if self._home.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Move the weights back where ``offload`` took them from."""
+        if self._home is not None:
+            self.model.to(self._home)
+            self._home = None
+
     def sleep(self) -> None:
-        """Free accelerator memory between rollouts (colocation). Nothing to free on CPU."""
+        """Free the accelerator memory between rollouts (colocation): the weights go to CPU memory, and
+        no cache outlives a ``generate`` call."""
+        self.offload()
 
     def wake(self) -> None:
         """Undo ``sleep``."""
+        self.reload()
+
+    def _check_ready(self, call: str) -> None:
+        """Refuse ``call`` while the weights are half-updated or offloaded."""
+        if self._update is not None:
+            raise RuntimeError(f"{call} during weight update v{self._update.version}: commit it first")
+        if self._home is not None:
+            raise RuntimeError(f"{call} while the weights are offloaded (offload/sleep): call reload() or wake() first")
 
     # -- generation ----------------------------------------------------------------------------------
     def encode(self, texts: list[str]) -> list[list[int]]:
@@ -96,6 +179,7 @@ class HFInferenceEngine:
 
         Identical prompts (a GRPO group) are prefilled once and their KV cache is repeated; rows that
         stop leave the batch (and the cache), so each decoding step computes only unfinished rows."""
+        self._check_ready("generate()")
         start = time.perf_counter()
         prompt_ids = self.encode(prompts) if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts]
         pad = self.tokenizer.pad_token_id

@@ -18,13 +18,10 @@ so one bad completion or a buggy reward never stops a run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
+from engines.protocols import RewardFn
 from engines.registry import Registry
-
-
-class RewardFn(Protocol):
-    def __call__(self, prompts: list[str], completions: list[str], **columns: list[Any]) -> "list[float] | Scored": ...
 
 
 @dataclass

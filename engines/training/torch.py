@@ -259,6 +259,32 @@ class TorchTrainEngine:
             self.tokenizer.save_pretrained(tmp)
             return put_folder(tmp, uri)
 
+    # -- memory (engines.protocols) --------------------------------------------------------------------
+    _offloaded: tuple[torch.device, list] | None = None  # offload(): the weights' device, the optimizer state moved
+
+    def offload(self) -> None:
+        """Move the parameters and the optimizer state to CPU memory, freeing the accelerator's; gradients
+        are dropped (each step starts from zero). ``reload`` moves them back."""
+        if self._offloaded is not None:
+            return
+        self._export_done()  # a background shared-memory copy still reads the parameters
+        self.optimizer.zero_grad(set_to_none=True)
+        moved = [(state, key, value.device) for state in self.optimizer.state.values()
+                 for key, value in state.items() if torch.is_tensor(value) and value.device.type != "cpu"]
+        for state, key, _ in moved:
+            state[key] = state[key].to("cpu")
+        self._offloaded = (_move(self.model, "cpu"), moved)
+
+    def reload(self) -> None:
+        """Move back what ``offload`` moved (each optimizer state tensor to the device it was on)."""
+        if self._offloaded is None:
+            return
+        home, moved = self._offloaded
+        _move(self.model, home)
+        for state, key, device in moved:
+            state[key] = state[key].to(device)
+        self._offloaded = None
+
 
 class ReferenceEngine:
     """Frozen copy of the initial policy; scores sequences for the KL term."""
@@ -281,3 +307,26 @@ class ReferenceEngine:
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``."""
         return self.logprobs(build_train_batch(rollouts, pad_token_id=0))  # pads are masked out
+
+    # -- memory (engines.protocols) --------------------------------------------------------------------
+    _home: torch.device | None = None  # offload(): where the weights were; None while loaded
+
+    def offload(self) -> None:
+        """Move the weights to CPU memory, freeing the accelerator's; ``reload`` moves them back."""
+        if self._home is None:
+            self._home = _move(self.model, "cpu")
+
+    def reload(self) -> None:
+        """Move the weights back where ``offload`` took them from."""
+        if self._home is not None:
+            _move(self.model, self._home)
+            self._home = None
+
+
+def _move(model: torch.nn.Module, device: torch.device | str) -> torch.device:
+    """Move ``model`` to ``device``; returns where it was. Leaving a CUDA device frees its cached blocks."""
+    home = next(model.parameters()).device
+    model.to(device)
+    if home.type == "cuda" and home != torch.device(device):
+        torch.cuda.empty_cache()
+    return home

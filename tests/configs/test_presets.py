@@ -55,7 +55,8 @@ def test_typo_in_override_names_the_override():
 def test_wrong_type_and_bad_value():
     assert "train.optim.lr: Input should be a valid number" in _error(PRESETS_DIR / "tiny.yaml", ["train.optim.lr=abc"])
     assert "rollout.top_p: Input should be less than or equal to 1" in _error(PRESETS_DIR / "tiny.yaml", ["rollout.top_p=2"])
-    assert "rollout.engine: Input should be 'hf'" in _error(PRESETS_DIR / "tiny.yaml", ["rollout.engine=vllm2"])
+    assert "rollout.engine: unknown rollout engine 'vllm2'; registered: hf" in _error(PRESETS_DIR / "tiny.yaml",
+                                                                                    ["rollout.engine=vllm2"])
 
 
 def test_unknown_registry_names_and_options_are_rejected():

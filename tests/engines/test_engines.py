@@ -152,8 +152,13 @@ def test_actors_sync_and_agree_through_ray(tiny_model_dir, ray_cluster):
     before = ray.get(rollout.weights_checksum.remote())
     checksum = ray.get(rollout.update_weights.remote(5, trainer.export_weights.remote(1 << 12)))
     assert checksum == ray.get(trainer.weights_checksum.remote()) != before
+    rollout.begin_update.remote(6)  # the versioned calls one by one: an actor runs one caller's calls in order
+    for bucket in ray.get(trainer.export_weights.remote(1 << 12)):
+        rollout.receive.remote(bucket)
+    report = ray.get(rollout.commit.remote(6))
+    assert (report.version, report.checksum) == (6, checksum)
     out = ray.get(rollout.generate.remote(PROMPTS, SamplingParams(max_new_tokens=4, seed=0)))
-    assert out.weights_version == 5
+    assert out.weights_version == 6
     built = build_train_batch(out, 0)
     lp = ray.get(trainer.logprobs.remote(built))
     assert ((lp - built.tensors["rollout_logprobs"]) * built.loss_mask).abs().max() < 1e-4

@@ -1,0 +1,51 @@
+"""Engine backends by role: a registered short name, or any class by dotted path ``package.module:Class``.
+
+The config names a backend (``rollout.engine: hf``, ``train.engine: torch``, or a dotted path); the schema
+checks the name with ``check_backend`` without importing anything, and the module is imported only when
+an engine of that backend starts (``engine_class``), so a vLLM or Megatron backend costs nothing to a run
+that does not use it, and may live only in its actors' own environment. A backend must pass the
+conformance suite, ``tests/engines/test_conformance.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+BACKENDS: dict[str, dict[str, str]] = {
+    "rollout": {"hf": "engines.inference.hf:HFInferenceEngine"},
+    "train": {"torch": "engines.training.torch:TorchTrainEngine"},
+    "reference": {"torch": "engines.training.torch:ReferenceEngine"},
+    "reward": {"worker": "engines.rollout_ops:RewardWorker"},
+}
+"""Role -> short name -> ``package.module:Class``. A role's short names are what its config key accepts."""
+
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+DOTTED_PATH = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*")
+
+
+def check_backend(role: str, name: str) -> str:
+    """The ``package.module:Class`` path of backend ``name`` for ``role``, imported nowhere. ``ValueError``
+    (one line) for an unknown short name, listing the registered ones, or a malformed dotted path."""
+    registered = BACKENDS[role]
+    if name in registered:
+        return registered[name]
+    if ":" not in name:
+        raise ValueError(f"unknown {role} engine {name!r}; registered: {', '.join(sorted(registered))} "
+                         f"(or a class by dotted path, package.module:Class)")
+    if not DOTTED_PATH.fullmatch(name):
+        raise ValueError(f"{role} engine {name!r} is not a dotted path package.module:Class")
+    return name
+
+
+def engine_class(kind: str) -> type:
+    """The class of ``kind``, ``"<role>/<name>"`` (e.g. ``"rollout/hf"``, ``"train/pkg.mod:Engine"``), its
+    module imported now. ``ValueError`` as ``check_backend`` for a bad name."""
+    role, _, name = kind.partition("/")
+    if role not in BACKENDS:
+        raise ValueError(f"unknown engine role {role!r} in {kind!r}; roles: {', '.join(sorted(BACKENDS))}")
+    module, _, attribute = check_backend(role, name).partition(":")
+    obj = importlib.import_module(module)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
