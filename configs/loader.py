@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from configs.schema import Config
+from configs.schema import Config, CheckError
 
 PRESETS_DIR = Path(__file__).parent
 
@@ -124,10 +124,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         return Config.model_validate(tree)
     except ValidationError as exc:
         error = exc.errors()[0]
-        loc = tuple(error["loc"])
-        shared = lambda keys: min(len(keys), len(loc)) and keys[: len(loc)] == loc[: len(keys)]  # noqa: E731
-        origin = next((f"override {text!r}" for keys, text in overridden.items() if shared(keys)), source)
-        raise ConfigError(f"{origin}: {_describe(error)}") from None
+        locs = _error_keys(error)
+        shared = lambda keys, loc: min(len(keys), len(loc)) and keys[: len(loc)] == loc[: len(keys)]  # noqa: E731
+        origin = next((f"override {text!r}" for loc in locs for keys, text in overridden.items() if shared(keys, loc)),
+                      source)
+        raise ConfigError(f"{origin}: {_describe({**error, 'loc': locs[0]})}") from None
+
+
+def _error_keys(error: dict) -> list[tuple]:
+    """The full paths an error is about: its location, or the keys a ``CheckError`` names under it."""
+    loc = tuple(error["loc"])
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, CheckError):
+        return [loc + tuple(key.split(".")) for key in cause.keys]
+    return [loc]
 
 
 def dump_config(config: Config) -> str:

@@ -8,13 +8,27 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import json
+import os
+import typing
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class CheckError(ValueError):
+    """A validator's error about particular fields: ``keys`` are their dotted paths relative to the section
+    that checks them, the one to change first. The loader names the first key and, as the source, an
+    override that set one of them (else the file)."""
+
+    def __init__(self, keys: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.keys = keys
 
 
 class RunConfig(Section):
@@ -71,6 +85,22 @@ class ModelConfig(Section):
             raise ValueError("source 'hf' needs model.path (a local folder or a hub id); or set model.source=tiny")
         return self
 
+    def positions(self) -> tuple[int, str, str] | None:
+        """``(limit, key, where)``: the longest prompt + response the model takes, the config key that sets it
+        and where the number comes from. None when unknown (a hub id, s3://, no such entry in config.json)."""
+        if self.source == "tiny":
+            key = "model.tiny.max_position_embeddings"
+            return self.tiny.max_position_embeddings, key, key
+        file = Path(self.path) / "config.json"
+        if "://" in self.path or not file.is_file():
+            return None
+        hf_config = json.loads(file.read_text())
+        for section in (hf_config, hf_config.get("text_config") or {}):  # multimodal configs nest the LM's
+            for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+                if isinstance(section.get(name), int):
+                    return section[name], "model.path", f"{name} in {file}"
+        return None
+
 
 class ArithmeticConfig(Section):
     num_train: int = Field(2000, gt=0)
@@ -123,8 +153,10 @@ class DomainConfig(Section):
             raise ValueError(f"domain {self.name!r}: unknown reward {self.reward!r}; {hint}registered: "
                              f"{', '.join(reward_names())}")
         _check_options(_keyword_options(get_reward(self.reward), set()), self.reward, self.reward_options, "reward")
+        _check_option_values(get_reward(self.reward), self.reward, self.reward_options, "reward", "reward_options")
         if self.source == "files" and not (self.train_path and self.heldout_path):
             raise ValueError(f"domain {self.name!r} needs train_path and heldout_path (or source: arithmetic)")
+        _check_data_files(self, f"domain {self.name!r}: ")
         return self
 
 
@@ -150,12 +182,24 @@ class DataConfig(Section):
     def _paths_for_files(self):
         if self.source == "files" and not (self.train_path and self.heldout_path):
             raise ValueError("source 'files' needs data.train_path and data.heldout_path")
+        _check_data_files(self, "")
         if (self.source == "domains") != bool(self.domains):
             raise ValueError("data.domains is used exactly when data.source is 'domains'")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"data.domains has a repeated name: {names}")
         return self
+
+
+def _check_data_files(section: DataConfig | DomainConfig, what: str) -> None:
+    """The local data files of a ``files`` source must exist; remote URIs (s3://, …) are read at run time."""
+    if section.source != "files":
+        return
+    for key in ("train_path", "heldout_path"):
+        path = getattr(section, key)
+        if "://" not in path and not os.path.exists(path):
+            where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
+            raise CheckError((key,), f"{what}no such file or folder {path!r}{where}; fix the path")
 
 
 class RewardConfig(Section):
@@ -191,24 +235,9 @@ class RewardConfig(Section):
         return self
 
 
-def _backend(role: str, name: str) -> str:
-    """``name`` if it is a registered ``role`` backend or a well-formed dotted path; nothing is imported."""
-    from engines.backends import check_backend
-
-    check_backend(role, name)
-    return name
-
-
 class RolloutConfig(Section):
-    engine: str = "hf"
-    """Inference backend: a registered name (engines.backends: hf) or a class by dotted path, package.module:Class
-    (imported only when the engine starts)."""
-
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, name: str) -> str:
-        return _backend("rollout", name)
-
+    engine: Literal["hf"] = "hf"
+    """Inference backend."""
     prompts_per_step: int = Field(8, gt=0)
     """Prompts drawn per RL step."""
     group_size: int = Field(8, gt=0)
@@ -232,6 +261,20 @@ def _check_options(allowed: set[str], name: str, options: dict, what: str) -> No
         close = difflib.get_close_matches(unknown[0], allowed, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"options: {', '.join(sorted(allowed)) or 'none'}"
         raise ValueError(f"{what} {name!r} has no option {unknown[0]!r}; {hint}")
+
+
+def _check_option_values(fn, name: str, options: dict, what: str, key: str) -> None:
+    """Reject an option value that the annotation of its keyword parameter does not allow (checked strictly:
+    a str is no bool, a float no int); a ``Literal`` annotation lists the allowed values."""
+    hints = typing.get_type_hints(fn)
+    for option, value in options.items():
+        hint = hints.get(option, typing.Any)
+        try:
+            TypeAdapter(hint).validate_python(value, strict=True)
+        except ValidationError:
+            allowed = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+            want = f"one of {', '.join(map(repr, allowed))}" if allowed else f"of type {getattr(hint, '__name__', hint)}"
+            raise CheckError((f"{key}.{option}",), f"{what} {name!r}: {option} must be {want}; got {value!r}") from None
 
 
 def _keyword_options(fn, exclude: set[str]) -> set[str]:
@@ -286,6 +329,11 @@ class KLConfig(Section):
 
         if self.estimator not in kl.names():
             raise ValueError(f"unknown KL estimator {self.estimator!r}; registered: {', '.join(kl.names())}")
+        if self.mode == "reward" and self.estimator != "k1":
+            # A reward's gradient is the score function times the reward; only with k1 = log(pi/pi_ref) is that
+            # the KL's gradient (Tang & Munos 2025, arXiv:2506.09477). k2/k3 are for mode 'loss'.
+            raise CheckError(("estimator", "mode"), f"{self.estimator} as a per-token reward penalty (mode 'reward') "
+                             "gives a biased KL gradient; use k1 there: set algorithm.kl.estimator=k1 (or mode=loss)")
         if self.controller == "adaptive" and self.coef == 0:
             raise ValueError("controller 'adaptive' needs a starting coef > 0 (it multiplies coef)")
         return self
@@ -382,19 +430,16 @@ class AlgorithmConfig(Section):
             raise ValueError(f"algorithm.critic is only used by advantage 'gae', not {self.advantage!r}; remove it")
         if self.agg_norm is not None and self.agg != "seq-mean-token-sum-norm":
             raise ValueError(f"agg_norm is the normaliser of seq-mean-token-sum-norm; agg is {self.agg!r}")
+        if self.policy_loss == "gspo" and self.agg != "seq-mean-token-mean":
+            raise CheckError(("agg", "policy_loss"), f"policy loss 'gspo' averages per-sequence losses over sequences "
+                             f"(Zheng et al. 2025, arXiv:2507.18071, eq. 5), not {self.agg!r}; set "
+                             "algorithm.agg=seq-mean-token-mean")
         return self
 
 
 class TrainConfig(Section):
-    engine: str = "torch"
-    """Training backend: a registered name (engines.backends: torch) or a class by dotted path,
-    package.module:Class (imported only when the engine starts)."""
-
-    @field_validator("engine")
-    @classmethod
-    def _engine(cls, name: str) -> str:
-        return _backend("train", name)
-
+    engine: Literal["torch"] = "torch"
+    """Training backend."""
     steps: int = Field(20, gt=0)
     """RL steps (one optimizer step each)."""
     micro_batch_size: int = Field(16, gt=0)
@@ -483,19 +528,37 @@ class Config(Section):
     def _cross_checks(self):
         shaping = self.algorithm.shaping
         if shaping.overlong_buffer >= self.rollout.max_new_tokens:
-            raise ValueError(f"algorithm.shaping.overlong_buffer ({shaping.overlong_buffer}) must be below "
+            raise CheckError(("algorithm.shaping.overlong_buffer", "rollout.max_new_tokens"),
+                             f"algorithm.shaping.overlong_buffer ({shaping.overlong_buffer}) must be below "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         if self.algorithm.dynamic_sampling.enabled and self.rollout.group_size < 2:
-            raise ValueError("dynamic sampling compares rewards within a group; rollout.group_size must be >= 2")
+            raise CheckError(("rollout.group_size", "algorithm.dynamic_sampling.enabled"),
+                             "dynamic sampling compares rewards within a group; rollout.group_size must be >= 2")
+        from engines.algorithms import advantages
+
+        if self.rollout.group_size == 1 and self.algorithm.advantage in advantages.GROUP_ESTIMATORS:
+            others = sorted(set(advantages.names()) - advantages.GROUP_ESTIMATORS)
+            raise CheckError(("rollout.group_size", "algorithm.advantage"),
+                             f"advantage {self.algorithm.advantage!r} compares each completion with the others of its "
+                             "prompt, so with group_size 1 every advantage is 0; set rollout.group_size >= 2 or another "
+                             f"algorithm.advantage ({', '.join(others)})")
+        positions = self.model.positions()
+        if positions and self.rollout.max_new_tokens >= positions[0]:
+            limit, key, where = positions
+            raise CheckError(("rollout.max_new_tokens", key),
+                             f"max_new_tokens ({self.rollout.max_new_tokens}) leaves no room for a prompt in the model's "
+                             f"{limit} positions ({where}); lower rollout.max_new_tokens"
+                             + ("" if key == "model.path" else f" or raise {key}"))
         if self.data.domains:
             from engines.data.domains import domain_counts
 
             if self.reward.name != RewardConfig.model_fields["name"].default:  # (a base preset's default is fine)
-                raise ValueError(f"reward.name {self.reward.name!r} is for single-domain runs; with data.domains "
-                                 "each domain names its reward")
+                raise CheckError(("reward.name",), f"reward.name {self.reward.name!r} is for single-domain runs; "
+                                 "with data.domains each domain names its reward")
             domain_counts([d.share for d in self.data.domains], self.rollout.prompts_per_step,
                           [d.name for d in self.data.domains])  # raises when the shares do not fit
             if self.algorithm.dynamic_sampling.enabled:
-                raise ValueError("dynamic sampling drops groups and would change the domains' shares; "
+                raise CheckError(("algorithm.dynamic_sampling.enabled", "data.domains"),
+                                 "dynamic sampling drops groups and would change the domains' shares; "
                                  "disable algorithm.dynamic_sampling with data.domains")
         return self

@@ -34,6 +34,11 @@ AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 register = ADV_ESTIMATORS.register
 
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "lite_ppo"})
+"""Estimators whose baseline is the other completions of the same prompt: with one completion per prompt
+(``rollout.group_size: 1``) every outcome advantage is 0, so the schema rejects that pairing. ``raft_pp``
+is not one: a group of one keeps each correct sample."""
+
 
 def compute(
     name: str,

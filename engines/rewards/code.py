@@ -46,7 +46,7 @@ import os
 import re
 import secrets
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from engines.rewards import REWARDS, Scored
 from engines.rewards.sandbox import run_python
@@ -62,8 +62,9 @@ _pool: list[futures.ThreadPoolExecutor] = []
 
 
 @REWARDS.register("code")
-def code_reward(prompts: list[str], completions: list[str], *, tests: list, mode: str = "pass_fraction",
-                wall_s: float = 5.0, memory_mb: int = 256, **_: Any) -> Scored:
+def code_reward(prompts: list[str], completions: list[str], *, tests: list,
+                mode: Literal["pass_fraction", "all_pass"] = "pass_fraction", wall_s: float = 5.0, memory_mb: int = 256,
+                **_: Any) -> Scored:
     """Per completion, the fraction of its row's ``tests`` passed (``all_pass``: 1.0 only if all pass).
 
     ``mode``: ``pass_fraction`` | ``all_pass``; ``wall_s``: wall-clock and CPU-time limit of each test's

@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from langdetect import DetectorFactory, LangDetectException, detect
 from langdetect import detector_factory
@@ -76,7 +76,7 @@ def ifeval_reward(
     completions: list[str],
     *,
     constraints: list[list[dict] | str],
-    mode: str = "fraction",  # "fraction": share of constraints met; "all": 1.0 only if every one is met
+    mode: Literal["fraction", "all"] = "fraction",  # "fraction": share of constraints met; "all": 1.0 only if all are
     **_: Any,
 ) -> list[float]:
     """Per completion, the fraction of its row's ``constraints`` met (``mode="all"``: 1.0 or 0.0).
