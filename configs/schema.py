@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -235,9 +235,24 @@ class RewardConfig(Section):
         return self
 
 
+def _backend(role: str, name: str) -> str:
+    """``name`` if it is a registered ``role`` backend or a well-formed dotted path; nothing is imported."""
+    from engines.backends import check_backend
+
+    check_backend(role, name)
+    return name
+
+
 class RolloutConfig(Section):
-    engine: Literal["hf"] = "hf"
-    """Inference backend."""
+    engine: str = "hf"
+    """Inference backend: a registered name (engines.backends: hf) or a class by dotted path, package.module:Class
+    (imported only when the engine starts)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, name: str) -> str:
+        return _backend("rollout", name)
+
     prompts_per_step: int = Field(8, gt=0)
     """Prompts drawn per RL step."""
     group_size: int = Field(8, gt=0)
@@ -438,8 +453,15 @@ class AlgorithmConfig(Section):
 
 
 class TrainConfig(Section):
-    engine: Literal["torch"] = "torch"
-    """Training backend."""
+    engine: str = "torch"
+    """Training backend: a registered name (engines.backends: torch) or a class by dotted path,
+    package.module:Class (imported only when the engine starts)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, name: str) -> str:
+        return _backend("train", name)
+
     steps: int = Field(20, gt=0)
     """RL steps (one optimizer step each)."""
     micro_batch_size: int = Field(16, gt=0)
