@@ -13,7 +13,8 @@ from configs.schema import Config
 from engines import checkpoint_store as store
 from flows.rlvr import rlvr_flow
 from flows.lineage import lineage_tags
-from flows.setup import base_model_path, ensure_ray, final_dir, is_finished, load_rows, start_prefect_server
+from flows.setup import (base_model_path, check_prompt_lengths, ensure_ray, final_dir, is_finished, load_rows,
+                         start_prefect_server)
 from flows.sft import sft_flow
 from flows.tracking import RunTracker, redact, tracking_uri
 
@@ -81,8 +82,9 @@ def run_flow(config: Config = Config()) -> dict:
     tracker = open_tracking(config)
     tracker.client.update_run(tracker.run_id, status="RUNNING")  # again, after a failed attempt
     try:
-        train_rows, _ = load_rows(config)
+        train_rows, heldout_rows = load_rows(config)
         model_path = base_model_path(config, train_rows)
+        check_prompt_lengths(config, model_path, train_rows + heldout_rows)  # before any engine starts
         if config.sft is not None:
             model_path = sft_flow(config, model_path, tracker.uri, tracker.run_id)
         rlvr_flow(config, model_path, tracker.uri, tracker.run_id)

@@ -160,6 +160,31 @@ def base_model_path(config: Config, train_rows: list[dict]) -> str:
     return out
 
 
+def check_prompt_lengths(config: Config, model_path: str, rows: list[dict]) -> None:
+    """Raise ``ConfigError`` (one line) when the longest prompt of ``rows`` plus ``rollout.max_new_tokens``
+    does not fit the model's positions (``ModelConfig.positions``). The schema checks max_new_tokens alone:
+    a tiny model's tokenizer exists only once its base model is built. Prompts are tokenized as the rollout
+    engine does (no special tokens); nothing is checked when the limit is unknown (a hub id), so no
+    tokenizer is downloaded for it."""
+    positions = config.model.positions()
+    if positions is None or not rows:
+        return
+    from configs.loader import ConfigError
+    from engines.models import load_tokenizer
+
+    limit, key, where = positions
+    prompts = [row["prompt"] for row in rows]
+    lengths = [len(ids) for ids in load_tokenizer(model_path)(prompts, add_special_tokens=False)["input_ids"]]
+    longest = max(range(len(prompts)), key=lengths.__getitem__)
+    new_tokens = config.rollout.max_new_tokens
+    if lengths[longest] + new_tokens > limit:
+        raise ConfigError(f"rollout.max_new_tokens: the longest prompt ({prompts[longest][:40]!r}…) is "
+                          f"{lengths[longest]} tokens; with max_new_tokens {new_tokens} that is "
+                          f"{lengths[longest] + new_tokens}, over the model's {limit} positions ({where}); lower "
+                          "rollout.max_new_tokens, shorten the longest prompts or use a model with more positions"
+                          + ("" if key == "model.path" else f" (raise {key})"))
+
+
 def final_dir(config: Config) -> str:
     return store.join(config.run.resolved_dir, "final")
 
