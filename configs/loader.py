@@ -20,6 +20,9 @@ from configs.schema import Config, CheckError
 
 PRESETS_DIR = Path(__file__).parent
 
+# The config schema of each pipeline kind, by the top-level ``kind`` key (default rlvr).
+KINDS: dict[str, type[BaseModel]] = {"rlvr": Config}
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line saying what to change."""
@@ -120,8 +123,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         keys, value = parse_override(text)
         _set(tree, keys, value)
         overridden[tuple(keys)] = text
+    kind = tree.get("kind", "rlvr")
+    schema = KINDS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        origin = overridden.get(("kind",)) and f"override {overridden[('kind',)]!r}"
+        raise ConfigError(f"{origin or source}: kind: unknown pipeline kind {kind!r}; known: {', '.join(KINDS)}")
     try:
-        return Config.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as exc:
         error = exc.errors()[0]
         locs = _error_keys(error)

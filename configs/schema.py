@@ -530,8 +530,11 @@ class SyncConfig(Section):
 
 
 class Config(Section):
-    """A full run: optional SFT warm start, then RLVR."""
+    """A run of kind ``rlvr``: optional SFT warm start, then RLVR."""
 
+    kind: Literal["rlvr"] = "rlvr"
+    """Pipeline kind: which stages run (flows/pipeline.py) and which schema the loader validates with
+    (configs/loader.py KINDS). rlvr: base model, SFT when sft: is set, then RL."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig(source="tiny")
     data: DataConfig = DataConfig()

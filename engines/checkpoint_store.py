@@ -120,13 +120,15 @@ def step_dir(run_dir: str, step: int) -> str:
     return join(run_dir, "checkpoints", f"step_{step:06d}")
 
 
-def write_manifest(checkpoint_uri: str, step: int, files: list[str]) -> None:
-    """Mark ``checkpoint_uri`` complete. Every listed file must already exist."""
+def write_manifest(checkpoint_uri: str, step: int, files: list[str], key: str | None = None) -> None:
+    """Mark ``checkpoint_uri`` complete. Every listed file must already exist. ``key``: what the folder was
+    made from (a stage's key, ``flows/stages.py``), stored in the manifest."""
     fs, path = filesystem(checkpoint_uri)
     missing = [f for f in files if not fs.exists(f"{path}/{f}")]
     if missing:
         raise FileNotFoundError(f"checkpoint {checkpoint_uri} lacks {missing}; manifest not written")
-    write_json(join(checkpoint_uri, MANIFEST), {"step": step, "files": sorted(files), "written_at": time.time()})
+    extra = {"key": key} if key is not None else {}
+    write_json(join(checkpoint_uri, MANIFEST), {"step": step, "files": sorted(files), "written_at": time.time(), **extra})
 
 
 def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:

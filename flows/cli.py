@@ -33,8 +33,13 @@ def _load(config: str, overrides: list[str]):
     try:
         return load_config(config, overrides)
     except ConfigError as exc:
-        typer.echo(f"config error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise _config_error(exc) from None
+
+
+def _config_error(exc: Exception) -> typer.Exit:
+    """Print ``exc`` as the one-line config error; the exit (code 2) to raise."""
+    typer.echo(f"config error: {exc}", err=True)
+    return typer.Exit(2)
 
 
 def _start_services(cfg) -> None:
@@ -70,10 +75,16 @@ def run(config: str = typer.Argument(..., help="YAML preset (path or name under 
     cfg = _load(config, overrides or [])
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    from flows.pipeline import finished_summary, run_flow
-    from flows.setup import is_finished
+    from configs.loader import ConfigError
+    from flows.pipeline import finished_summary, is_finished, run_flow
+    from flows.stages import check_rerun
 
-    if is_finished(cfg):
+    try:  # before Ray and Prefect start: a run directory this config cannot continue fails at once
+        check_rerun(cfg)
+        finished = is_finished(cfg)
+    except ConfigError as exc:
+        raise _config_error(exc) from None
+    if finished:
         result = finished_summary(cfg)  # no services to start for a run that is done
     else:
         _start_services(cfg)

@@ -38,18 +38,18 @@ def rlvr_preset(preset: str = "tiny", overrides: list[str] | None = None) -> dic
 def sft_preset(preset: str = "quickstart", overrides: list[str] | None = None) -> str:
     """Only the SFT stage of a preset with an ``sft:`` section; returns the tuned model's folder
     (``<run.dir>/sft_model``), registered like a final model."""
-    from flows.pipeline import open_tracking, publish_model
-    from flows.setup import base_model_path, ensure_ray, load_rows
-    from flows.sft import sft_flow
+    from flows.pipeline import open_tracking, publish_model, run_pipeline
+    from flows.setup import ensure_ray
+    from flows.stages import check_rerun
 
     _quiet_defaults()
     config = load_config(preset, list(overrides or []))
     if config.sft is None:
         raise ValueError(f"preset {preset!r} has no sft: section to run")
+    check_rerun(config)
     ensure_ray()
     tracker = open_tracking(config)
-    model_path = base_model_path(config, load_rows(config)[0])
-    out = sft_flow(config, model_path, tracker.uri, tracker.run_id)
+    out = run_pipeline(config, tracker, last="sft")  # the stages up to SFT, each done once
     publish_model(config, tracker, out, artifact_path="sft_model",
                   name=f"{config.tracking.registered_model_name or config.run.name}-sft")
     tracker.finish()

@@ -1,10 +1,17 @@
-"""The whole run behind ``rollflow run``: optional SFT warm start, then RLVR, in one MLflow run.
+"""The whole run behind ``rollflow run``: the stages of the config's ``kind`` in order, in one MLflow run.
 
-Idempotent: a finished run (``final/MANIFEST.json``) returns its summary at once; an interrupted one
-resumes where its stages left off (SFT: from its start; RL: from the newest complete checkpoint).
+``kind: rlvr``: the base model (``model.path``, or a tiny model built into ``base_model/``) → SFT warm
+start (when ``sft:`` is set, into ``sft_model/``) → RLVR (into ``final/``). Idempotent (``flows/stages.py``):
+done stages are skipped, an interrupted one resumes (SFT from its start, RL from its newest complete
+checkpoint), a finished run returns its summary at once, a raised ``train.steps`` continues a finished
+run. A rerun whose config differs from the first attempt's (``run.json``) in a key outside
+``stages.SAFE_CHANGES`` is refused before anything starts.
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 from prefect import flow
 
@@ -12,45 +19,124 @@ from configs.loader import dump_config, flat_params
 from configs.schema import Config
 from engines import checkpoint_store as store
 from flows.rlvr import rlvr_flow
-from flows.lineage import lineage_tags
-from flows.setup import (base_model_path, check_prompt_lengths, ensure_ray, final_dir, is_finished, load_rows,
+from flows.lineage import config_hash, lineage_tags
+from flows.setup import (check_prompt_lengths, ensure_ray, final_dir, load_rows, sft_dir,
                          start_prefect_server)
 from flows.sft import sft_flow
+from flows.stages import RUN_RECORD, Stage, check_rerun, is_done, run_record, run_stages, stage_key
 from flows.tracking import RunTracker, redact, tracking_uri
 
 
+def build_base_model(config: Config, _input: None, _tracker: RunTracker) -> str:
+    """A tiny model (``model.tiny``) with a tokenizer trained on the training rows, built into
+    ``<run.dir>/base_model`` (local or s3://)."""
+    from engines.models import TinyModelSpec, build_tiny_model
+
+    out = store.join(config.run.resolved_dir, "base_model")
+    texts = [row["prompt"] + row["answer"] for row in load_rows(config)[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build_tiny_model(Path(tmp) / "model", texts, TinyModelSpec(**config.model.tiny.model_dump()),
+                                 seed=config.run.seed)
+        files = store.put_folder(str(built), out)
+    store.write_manifest(out, 0, files, key=stage_key(config, "base_model", None))
+    return out
+
+
+def _check_input(config: Config, model_path: str) -> None:
+    """Before a stage starts engines on ``model_path``: every prompt fits the model with its response."""
+    train_rows, heldout_rows = load_rows(config)
+    check_prompt_lengths(config, model_path, train_rows + heldout_rows)
+
+
+def sft_stage(config: Config, model_path: str, tracker: RunTracker) -> str:
+    _check_input(config, model_path)
+    return sft_flow(config, model_path, tracker.uri, tracker.run_id)
+
+
+def rl_stage(config: Config, model_path: str, tracker: RunTracker) -> str:
+    _check_input(config, model_path)
+    rlvr_flow(config, model_path, tracker.uri, tracker.run_id)
+    return final_dir(config)
+
+
+def rlvr_stages(config: Config) -> tuple[str | None, list[Stage]]:
+    """``(start, stages)`` of kind ``rlvr``: the first stage's input model and the stages in order."""
+    start = config.model.path if config.model.source == "hf" else None
+    stages = [Stage("base_model", store.join(config.run.resolved_dir, "base_model"), build_base_model)] if start is None else []
+    if config.sft is not None:
+        stages.append(Stage("sft", sft_dir(config), sft_stage))
+    return start, [*stages, Stage("rlvr", final_dir(config), rl_stage, steps=config.train.steps)]
+
+
+PIPELINES = {"rlvr": rlvr_stages}  # by ``Config.kind``; the loader validates the kind
+
+
+def is_finished(config: Config) -> bool:
+    """Every stage done (reads markers only); raises ``stages.RerunError`` when one was made from other inputs."""
+    start, stages = PIPELINES[config.kind](config)
+    return is_done(config, stages, start)
+
+
+def run_pipeline(config: Config, tracker: RunTracker, last: str | None = None) -> str:
+    """Run the stages of ``config.kind`` in order, up to and including the one named ``last`` (default: all);
+    returns the output of the last one run."""
+    start, stages = PIPELINES[config.kind](config)
+    names = [stage.name for stage in stages]
+    return run_stages(config, stages[: names.index(last) + 1] if last else stages, tracker, start)
+
+
 def open_tracking(config: Config) -> RunTracker:
-    """The run's MLflow run: created on the first attempt (tagged with its lineage), the same one on
-    every resume."""
+    """The run's MLflow run: created on the first attempt (tagged with its lineage) and recorded with the
+    config in ``run.json``; the same one on every resume. A resume with changes ``check_rerun`` accepts
+    records the new config and tags the run with every accepted change (MLflow params never change)."""
     run_dir = config.run.resolved_dir
-    record_uri = store.join(run_dir, "run.json")
+    record_uri = store.join(run_dir, RUN_RECORD)
     record = store.read_json(record_uri)
     uri = tracking_uri(run_dir)
-    if record is not None:
-        return RunTracker(uri, record["mlflow_run_id"])
-    tracker = RunTracker.create(uri, config.tracking.experiment, config.run.name, flat_params(config),
-                                dump_config(config),
-                                tags=lineage_tags(config, *load_rows(config)))
-    store.write_json(record_uri, {"mlflow_run_id": tracker.run_id, "tracking_uri": redact(uri), "name": config.run.name})
+    if record is None:
+        tracker = RunTracker.create(uri, config.tracking.experiment, config.run.name, flat_params(config),
+                                    dump_config(config), tags=lineage_tags(config, *load_rows(config)))
+        store.write_json(record_uri, run_record(config, mlflow_run_id=tracker.run_id, tracking_uri=redact(uri),
+                                                name=config.run.name))
+        return tracker
+    tracker = RunTracker(uri, record["mlflow_run_id"])
+    changes = check_rerun(config)
+    if changes or "config" not in record:  # (a record from before configs were recorded gets this one)
+        changes = [*record.get("changes", []), *changes]
+        if changes:
+            tracker.client.set_tag(tracker.run_id, "rollflow.config_changes", redact(", ".join(changes))[:5000])
+            tracker.client.set_tag(tracker.run_id, "rollflow.config_hash", config_hash(config))
+        store.write_json(record_uri, {**record, **run_record(config), "changes": changes})
     return tracker
 
 
 def publish_model(config: Config, tracker: RunTracker, folder: str, artifact_path: str,
                   name: str | None = None) -> int | None:
     """Log ``folder`` as the run's ``artifact_path`` artifact and register it as ``name`` (default
-    ``tracking.registered_model_name`` or the run name), each once: a rerun after a crash between the
-    two finishes what is missing. Returns the registered version (None when registering is off)."""
-    if config.tracking.log_model and not tracker.client.list_artifacts(tracker.run_id, artifact_path):
-        tracker.log_dir(store.local_copy(folder), artifact_path)
+    ``tracking.registered_model_name`` or the run name), each once per model: a rerun after a crash between
+    the two finishes what is missing. A run extended past its first end (``train.steps`` raised) logs its
+    new model as ``<artifact_path>_step_<N>`` and registers it as a new version, so earlier versions keep
+    their weights. Returns the registered version (None when registering is off)."""
+    client, run_id = tracker.client, tracker.run_id
+    step = str(store.read_json(store.join(folder, store.MANIFEST))["step"])
+    first_tag = f"rollflow.{artifact_path}_step"  # the step of the model logged as ``artifact_path``
+    first = client.get_run(run_id).data.tags.get(first_tag)
+    if first is None:  # set before logging; a model logged before models had steps is this one
+        client.set_tag(run_id, first_tag, step)
+        first = step
+    path = artifact_path if first == step else f"{artifact_path}_step_{int(step):06d}"
+    if config.tracking.log_model and not client.list_artifacts(run_id, path):
+        tracker.log_dir(store.local_copy(folder), path)
     if not config.tracking.register_model:
         return None
     name = name or config.tracking.registered_model_name or config.run.name
-    done = tracker.client.search_model_versions(f"run_id='{tracker.run_id}' and name='{name}'")
+    versions = client.search_model_versions(f"run_id='{run_id}' and name='{name}'")
+    done = [v for v in versions if v.tags.get("rollflow.step", step) == step]
     if done:
         return int(done[0].version)
-    tags = {k: v for k, v in tracker.client.get_run(tracker.run_id).data.tags.items() if k.startswith("rollflow.")}
-    return tracker.register_model(name, artifact_path if config.tracking.log_model else None, folder,
-                                  {**tags, "rollflow.mlflow_run_id": tracker.run_id})
+    tags = {k: v for k, v in client.get_run(run_id).data.tags.items() if k.startswith("rollflow.") and k != first_tag}
+    return tracker.register_model(name, path if config.tracking.log_model else None, folder,
+                                  {**tags, "rollflow.mlflow_run_id": run_id, "rollflow.step": step})
 
 
 def publish_final_model(config: Config, tracker: RunTracker) -> int | None:
@@ -74,7 +160,9 @@ def finished_summary(config: Config) -> dict:
 
 @flow(name="rollflow-run", persist_result=False)
 def run_flow(config: Config = Config()) -> dict:
-    """Run (or resume) ``config`` to completion; returns where the model is and its held-out accuracy."""
+    """Run (or resume, or extend) ``config`` to completion; returns where the model is and its held-out
+    accuracy."""
+    check_rerun(config)
     if is_finished(config):
         return finished_summary(config)
     ensure_ray()
@@ -82,12 +170,7 @@ def run_flow(config: Config = Config()) -> dict:
     tracker = open_tracking(config)
     tracker.client.update_run(tracker.run_id, status="RUNNING")  # again, after a failed attempt
     try:
-        train_rows, heldout_rows = load_rows(config)
-        model_path = base_model_path(config, train_rows)
-        check_prompt_lengths(config, model_path, train_rows + heldout_rows)  # before any engine starts
-        if config.sft is not None:
-            model_path = sft_flow(config, model_path, tracker.uri, tracker.run_id)
-        rlvr_flow(config, model_path, tracker.uri, tracker.run_id)
+        run_pipeline(config, tracker)
         version = publish_final_model(config, tracker)
     except BaseException:
         tracker.finish("FAILED")  # a crash (SIGKILL) leaves it RUNNING; the next attempt carries on

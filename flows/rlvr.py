@@ -27,6 +27,7 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 
 from configs.schema import Config
 from flows.setup import domain_rewards, final_dir, load_domains
+from flows.stages import stage_key
 from flows.progress import StageProgress
 from flows.tracking import RunTracker
 from engines import checkpoint_store as store
@@ -352,7 +353,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
                 checkpoint(engines.train_engines, run_dir, step, state, cfg.checkpoint.keep)
     progress.close()
     tracker.flush()
-    save_model(engines.trainer, final_dir(cfg), state["step"], state)
+    save_model(engines.trainer, final_dir(cfg), state["step"], state, key=stage_key(cfg, "rlvr", model_path))
     engines.stop()
     return state
 

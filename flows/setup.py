@@ -140,26 +140,6 @@ def load_rows(config: Config) -> tuple[list[dict], list[dict]]:
     return [r for d in domains for r in d.train_rows], [r for d in domains for r in d.heldout_rows]
 
 
-def base_model_path(config: Config, train_rows: list[dict]) -> str:
-    """The model the run starts from: ``model.path``, or a tiny model built once into ``<run.dir>/base_model``
-    (local or s3://; complete once its manifest exists)."""
-    if config.model.source == "hf":
-        return config.model.path
-    import tempfile
-
-    from engines.models import TinyModelSpec, build_tiny_model
-
-    out = store.join(config.run.resolved_dir, "base_model")
-    if store.read_json(store.join(out, store.MANIFEST)) is None:
-        texts = [row["prompt"] + row["answer"] for row in train_rows]
-        with tempfile.TemporaryDirectory() as tmp:
-            built = build_tiny_model(Path(tmp) / "model", texts, TinyModelSpec(**config.model.tiny.model_dump()),
-                                     seed=config.run.seed)
-            files = store.put_folder(str(built), out)
-        store.write_manifest(out, 0, files)
-    return out
-
-
 def check_prompt_lengths(config: Config, model_path: str, rows: list[dict]) -> None:
     """Raise ``ConfigError`` (one line) when the longest prompt of ``rows`` plus ``rollout.max_new_tokens``
     does not fit the model's positions (``ModelConfig.positions``). The schema checks max_new_tokens alone:
@@ -186,8 +166,10 @@ def check_prompt_lengths(config: Config, model_path: str, rows: list[dict]) -> N
 
 
 def final_dir(config: Config) -> str:
+    """The RL stage's output: the run's final model (``flows/stages.py``)."""
     return store.join(config.run.resolved_dir, "final")
 
 
-def is_finished(config: Config) -> bool:
-    return store.read_json(store.join(final_dir(config), store.MANIFEST)) is not None
+def sft_dir(config: Config) -> str:
+    """The SFT stage's output: the warm-started model."""
+    return store.join(config.run.resolved_dir, "sft_model")

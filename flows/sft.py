@@ -1,10 +1,11 @@
 """Supervised fine-tuning on ``prompt → answer`` pairs: the warm start before RL.
 
 Next-token cross-entropy on the answer (+EOS) tokens only, AdamW, one Prefect task per step.
-The stage is short and deterministic: it is complete once ``<run>/sft_model/MANIFEST.json`` exists;
-an interrupted stage reruns from its start and reaches the same weights.
+The stage (``flows/stages.py``) is short and deterministic: it is done once ``<run>/sft_model/MANIFEST.json``
+exists with its key; an interrupted stage reruns from its start and reaches the same weights.
 
-Launch on its own: ``rollflow run configs/quickstart.yaml`` runs it before RL when ``sft:`` is set.
+Launch: ``rollflow run configs/quickstart.yaml`` runs it before RL when ``sft:`` is set; the ``sft``
+deployment (``flows/deployments.py``) runs it alone.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 from prefect import flow
 
 from configs.schema import Config
-from flows.setup import load_rows
+from flows.setup import load_rows, sft_dir
+from flows.stages import stage_key
 from flows.progress import StageProgress
 from flows.tracking import RunTracker
-from engines import checkpoint_store as store
 from engines.actors import start_engine, stop_engine
 from engines.algorithms.objective import SFTObjective
 from engines.data.sampler import take
@@ -26,12 +27,11 @@ from tasks.train import sft_train
 
 @flow(name="sft", persist_result=False)
 def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: str) -> str:
-    """Train ``model_path`` with SFT on the training rows; returns the folder of the tuned HF model."""
+    """Train ``model_path`` with SFT on the training rows; returns the folder of the tuned HF model
+    (``sft_dir``). Always trains: whether the stage is done is the pipeline's question."""
     sft = config.sft
     train_rows, _ = load_rows(config)
-    out = store.join(config.run.resolved_dir, "sft_model")
-    if store.read_json(store.join(out, store.MANIFEST)):
-        return out
+    out = sft_dir(config)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     optim = OptimSpec(**sft.optim.model_dump(), total_steps=sft.steps)
     trainer = start_engine("train/torch", run_name=config.run.name, role="sft-trainer", reuse=False, model_path=model_path,
@@ -50,6 +50,7 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
         progress.update(step, metrics)
     progress.close()
     tracker.flush()
-    save_model(trainer, out, sft.steps, {"mlflow_run_id": mlflow_run_id, "stage": "sft", "step": sft.steps})
+    save_model(trainer, out, sft.steps, {"mlflow_run_id": mlflow_run_id, "stage": "sft", "step": sft.steps},
+               key=stage_key(config, "sft", model_path))
     stop_engine(trainer)
     return out

@@ -42,13 +42,13 @@ def restore(train_engines: dict, checkpoint_uri: str) -> dict:
 
 
 @task(name="save_model", retries=0, **TASK_DEFAULTS)
-def save_model(train_engine, out_dir: str, step: int, state: dict | None = None) -> str:
+def save_model(train_engine, out_dir: str, step: int, state: dict | None = None, key: str | None = None) -> str:
     """The engine's model in HF format (model.safetensors + tokenizer) at ``out_dir`` (local or s3://), plus
-    ``state.json`` when given, manifest last: its presence marks the stage (SFT, or the whole run for
-    ``final/``) done. A failed write raises before the manifest exists."""
+    ``state.json`` when given, manifest last, with the stage's ``key`` in it: the stage's done-marker
+    (``flows/stages.py``). A failed write raises before the manifest exists."""
     files = ray.get(train_engine.save_pretrained.remote(out_dir))
     if state is not None:
         store.write_json(store.join(out_dir, "state.json"), state)
         files.append("state.json")
-    store.write_manifest(out_dir, step, files)
+    store.write_manifest(out_dir, step, files, key=key)
     return out_dir

@@ -1,0 +1,218 @@
+"""Stages: the parts of a pipeline, each done once, and the check that a rerun continues the same run.
+
+A pipeline (``flows/pipeline.py``, one per config ``kind``) is a list of ``Stage`` run in order, each
+taking the previous stage's output folder as its input: today base model → SFT (when ``sft:`` is set) →
+RLVR; DPO, distillation and evaluation stages take the same shape.
+
+A stage's **key** hashes what its output depends on: the config it reads (``DEPENDS``, without the
+``SAFE_CHANGES``), its input (the key in the input folder's marker, or the input's URI: a hub id or a
+folder made elsewhere) and the run's data fingerprint (``flows/lineage.py``). Its **done-marker** is its
+output folder's ``MANIFEST.json`` (``engines/checkpoint_store.py``), written last with the key in it.
+When a pipeline runs (again):
+
+- no marker: the stage runs (RL resumes from the newest complete checkpoint in the run directory);
+- a marker with the stage's key: the stage is skipped and its output passed on;
+- a marker with another key: ``RerunError``. The folder was made from other inputs (the data or an
+  input folder changed under the same config); running on top of it would mix two runs;
+- a stage that counts ``steps`` (RL) whose marker holds fewer (``train.steps`` raised): its marker is
+  removed and it runs again, continuing from its newest checkpoint to the new step count.
+
+A marker without a key (written before stages had keys) counts as done.
+
+Before any of that, and before Ray or Prefect start, ``check_rerun`` compares the config with the one the
+run directory recorded in ``run.json`` and refuses a change outside ``SAFE_CHANGES`` in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel
+from configs.loader import ConfigError, flat_params
+from configs.schema import Config
+from engines import checkpoint_store as store
+from flows.lineage import dataset_fingerprint
+from flows.setup import load_rows
+
+RUN_RECORD = "run.json"
+
+# Config keys a rerun of a run directory may change: none of them changes what the stages compute.
+SAFE_CHANGES = frozenset({
+    "run.dir",                 # where the run directory is: a moved or copied run continues
+    "run.torch_threads",       # threads per engine: the same arithmetic (sums may round differently in the
+                               # last bits, as on another machine)
+    "eval.every",              # when held-out accuracy is measured: evaluation samples with its own seed
+    "checkpoint.every",        # when state is saved: a resume restores it exactly
+    "checkpoint.keep",         # how many checkpoints stay on disk
+    "tracking.flush_every_s",  # when metrics are sent to MLflow
+    "tracking.sample_every",   # which sample tables are logged
+    "tracking.num_samples",
+    "reward.workers",          # how scoring is spread over processes: a reward depends only on its sample
+    "reward.concurrency",
+    "sync.bucket_mb",          # the size of the weight transfers, not the weights
+    "train.steps",             # only raised, and only with constant LR schedules (``_refusal``): the run
+                               # continues from its newest checkpoint to the new step count
+})
+
+# The config each stage's output depends on, by stage, besides its input and the data fingerprint
+# (``SAFE_CHANGES`` left out). A section added to the schema that changes a stage's output goes here.
+DEPENDS: dict[str, tuple[str, ...]] = {
+    "base_model": ("model.tiny", "run.seed"),
+    "sft": ("sft", "model.dtype", "run.seed"),
+    "rlvr": ("run.seed", "model.dtype", "data", "reward", "rollout", "algorithm", "train", "eval", "sync"),
+}
+
+
+class RerunError(ConfigError):
+    """A run directory this config cannot continue; the message is one line saying why and what to do."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One part of a pipeline. ``run(config, input_uri, tracker)`` makes the folder ``out`` from the previous
+    stage's output (None for a first stage) and writes its marker last, with ``stage_key(config, name,
+    input_uri)`` in it; it returns ``out``."""
+
+    name: str
+    out: str
+    run: Callable[[Config, str | None, Any], str]
+    steps: int | None = None
+    """For a stage that continues from its own checkpoints (RL): the step its marker must reach."""
+
+
+def data_fingerprint(config: Config) -> str:
+    return dataset_fingerprint(*load_rows(config))
+
+
+def input_key(uri: str | None) -> str:
+    """What a stage's input is, for its key: the key in the input folder's marker, else the URI itself."""
+    if uri is None:
+        return ""
+    marker = store.read_json(store.join(uri, store.MANIFEST)) or {}
+    return marker.get("key", uri)
+
+
+def stage_key(config: Config, name: str, input_uri: str | None) -> str:
+    """The key stage ``name`` writes into its marker, made from ``input_uri``."""
+    return _key(config, name, input_key(input_uri), data_fingerprint(config))
+
+
+def _key(config: Config, name: str, upstream: str, data: str) -> str:
+    flat = {key: value for key, value in flat_params(config).items() if key not in SAFE_CHANGES}
+    keyed = {key: value for key, value in flat.items() if any(_under(key, dep) for dep in DEPENDS[name])}
+    payload = json.dumps({"stage": name, "config": keyed, "input": upstream, "data": data}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+Action = Literal["run", "skip", "extend"]
+
+
+def plan(config: Config, stages: list[Stage], start: str | None = None) -> list[tuple[Stage, Action]]:
+    """Each stage with what running the pipeline does with it: ``skip`` (done with this key), ``run`` (no
+    marker) or ``extend`` (fewer steps than asked); ``start`` is the first stage's input. Reads markers
+    only: no Ray, no Prefect."""
+    data, upstream, planned = data_fingerprint(config), input_key(start), []
+    for stage in stages:
+        key = _key(config, stage.name, upstream, data)
+        marker = store.read_json(store.join(stage.out, store.MANIFEST))
+        action = _action(stage, key, marker)
+        planned.append((stage, action))
+        upstream = marker.get("key", stage.out) if action == "skip" else key
+    return planned
+
+
+def _action(stage: Stage, key: str, marker: dict | None) -> Action:
+    if marker is None:
+        return "run"
+    if marker.get("key", key) != key:
+        raise RerunError(f"stage {stage.name}: {stage.out} was made from other inputs (config, data or input "
+                         "model); delete it to redo the stage, or use a new run.dir")
+    if stage.steps is None or marker["step"] == stage.steps:
+        return "skip"
+    if marker["step"] < stage.steps:
+        return "extend"
+    raise RerunError(f"stage {stage.name}: {stage.out} holds {marker['step']} steps, more than the {stage.steps} "
+                     "asked for; use a new run.dir")
+
+
+def is_done(config: Config, stages: list[Stage], start: str | None = None) -> bool:
+    return all(action == "skip" for _, action in plan(config, stages, start))
+
+
+def run_stages(config: Config, stages: list[Stage], tracker, start: str | None = None) -> str:
+    """Run ``stages`` in order from ``start``, skipping done ones; returns the last one's output."""
+    uri = start
+    for stage, action in plan(config, stages, start):
+        if action == "extend":  # a half-rewritten output must never look done
+            fs, path = store.filesystem(store.join(stage.out, store.MANIFEST))
+            fs.rm(path)
+        uri = stage.out if action == "skip" else stage.run(config, uri, tracker)
+    return uri
+
+
+def run_record(config: Config, **fields) -> dict:
+    """``run.json``: ``fields`` (MLflow run id, …) and the config a rerun must keep (``check_rerun``)."""
+    return {**fields, "config": config.model_dump(mode="json")}
+
+
+def check_rerun(config: Config) -> list[str]:
+    """The accepted changes (``a.b: old -> new``) from the config recorded in the run directory's
+    ``run.json``; raise ``RerunError`` naming every other change. A run directory without a record passes."""
+    record = store.read_json(store.join(config.run.resolved_dir, RUN_RECORD)) or {}
+    if "config" not in record:
+        return []
+    accepted, refused = [], []
+    for key, (old, new) in config_changes(record["config"], config).items():
+        change = f"{key}: {_show(old)} -> {_show(new)}"
+        reason = _refusal(key, old, new, config)
+        if reason is None:
+            accepted.append(change)
+        else:
+            refused.append(change + (f" ({reason})" if reason else ""))
+    if refused:
+        raise RerunError(f"{config.run.resolved_dir} was started with another config: {', '.join(refused)}; "
+                         "rerun with its values or use a new run.dir")
+    return accepted
+
+
+def config_changes(old: dict, new: BaseModel, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{"a.b": (old, new)}`` for every field of ``new`` whose value differs from ``old`` (a config dumped
+    as JSON): sections compared field by field, other values (lists, option mappings, a section set on
+    one side only) whole. A field ``old`` lacks was added to the schema since and is not compared."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    for name in type(new).model_fields:
+        if name not in old:
+            continue
+        value = getattr(new, name)
+        if isinstance(value, BaseModel) and isinstance(old[name], dict):
+            changes.update(config_changes(old[name], value, f"{prefix}{name}."))
+        elif (dumped := new.model_dump(mode="json", include={name})[name]) != old[name]:
+            changes[f"{prefix}{name}"] = (old[name], dumped)
+    return changes
+
+
+def _refusal(key: str, old: Any, new: Any, config: Config) -> str | None:
+    """None for a change ``SAFE_CHANGES`` allows, else why it is refused ("" when it is simply not safe)."""
+    if key not in SAFE_CHANGES:
+        return ""
+    if key != "train.steps":
+        return None
+    if new < old:
+        return "train.steps can only be raised"
+    schedules = [f"{k}: {v}" for k, v in flat_params(config).items()
+                 if k.endswith("optim.schedule") and not k.startswith("sft.") and v != "constant"]
+    if schedules:
+        return f"{', '.join(schedules)} spans train.steps, so more steps would change the steps already taken"
+    return None
+
+
+def _under(key: str, section: str) -> bool:
+    return key == section or key.startswith(section + ".")
+
+
+def _show(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= 40 else text[:39] + "…"
