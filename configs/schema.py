@@ -225,10 +225,6 @@ class RewardConfig(Section):
     failure_patience: int = Field(3, gt=0)
     """Consecutive steps above max_failure_rate after which the run stops with the domain, the reward
     and its first exception."""
-    allow_unsandboxed_code: bool = False
-    """Run a reward that executes model-written code (code) even where its sandbox gets no kernel isolation
-    (not root and no unprivileged user namespaces): then only resource limits and a Python audit hook
-    confine that code. Left false, such a config is refused at load."""
 
     @model_validator(mode="after")
     def _known(self):
@@ -311,7 +307,7 @@ class OptimConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this value."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup steps."""
+    """Linear warmup, in optimizer steps (an RL step takes ppo_epochs × mini_batches of them)."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
     """LR after warmup."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
@@ -398,6 +394,10 @@ class CriticConfig(Section):
     """Steps that train only the critic before the policy starts to move."""
     clip_range: float = Field(0.2, ge=0)
     """Clip of the value update around the scoring-time values (0 = unclipped MSE)."""
+    mini_batches: int = Field(1, gt=0)
+    """The critic's optimizer steps per pass over the rollout batch (rows shuffled, as for the policy)."""
+    ppo_epochs: int = Field(1, gt=0)
+    """The critic's passes over each rollout batch."""
     optim: CriticOptimConfig = CriticOptimConfig()
     """Optimizer of the critic."""
 
@@ -467,9 +467,16 @@ class TrainConfig(Section):
         return _backend("train", name)
 
     steps: int = Field(20, gt=0)
-    """RL steps (one optimizer step each)."""
+    """RL steps: rollout batches, each trained with ppo_epochs × mini_batches optimizer steps."""
+    mini_batches: int = Field(1, gt=0)
+    """Optimizer steps per pass over the rollout batch (PPO's mini-batches; verl's ppo_mini_batch_size as a
+    count). Mini-batches hold whole groups with a group estimator (grpo, rloo, …), rows otherwise; the
+    row order of each pass is shuffled from run.seed and the step. > 1 moves the importance ratio off 1
+    within a step, which is what makes the clip ranges act."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each rollout batch (PPO's epochs; TRL's num_iterations); old logprobs stay the rollout's."""
     micro_batch_size: int = Field(16, gt=0)
-    """Rows per forward/backward; gradients accumulate over the step's batch."""
+    """Rows per forward/backward; gradients accumulate over each mini-batch."""
     packing: bool = True
     """Pack each micro-batch's sequences without padding (position ids restart per sequence) and run the LM
     head only at response tokens; false = padded rows (the reference form, same values)."""
@@ -534,11 +541,8 @@ class SyncConfig(Section):
 
 
 class Config(Section):
-    """A run of kind ``rlvr``: optional SFT warm start, then RLVR."""
+    """A full run: optional SFT warm start, then RLVR."""
 
-    kind: Literal["rlvr"] = "rlvr"
-    """Pipeline kind: which stages run (flows/pipeline.py) and which schema the loader validates with
-    (configs/loader.py KINDS). rlvr: base model, SFT when sft: is set, then RL."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig(source="tiny")
     data: DataConfig = DataConfig()
@@ -586,26 +590,14 @@ class Config(Section):
                                  "with data.domains each domain names its reward")
             domain_counts([d.share for d in self.data.domains], self.rollout.prompts_per_step,
                           [d.name for d in self.data.domains])  # raises when the shares do not fit
-            if self.algorithm.dynamic_sampling.enabled:
+            if self.algorithm.dynamic_sampling.enabled and len(self.data.domains) > 1:
                 raise CheckError(("algorithm.dynamic_sampling.enabled", "data.domains"),
                                  "dynamic sampling drops groups and would change the domains' shares; "
                                  "disable algorithm.dynamic_sampling with data.domains")
-        return self
-
-    @model_validator(mode="after")
-    def _code_sandbox(self):
-        """A reward that runs model-written code (``runs_model_code``) needs the sandbox's kernel isolation
-        on this machine (engines.rewards.sandbox.isolation), or the explicit reward.allow_unsandboxed_code."""
-        from engines.rewards import get_reward
-
-        names = [d.reward for d in self.data.domains] or [self.reward.name]
-        code = [name for name in names if getattr(get_reward(name), "runs_model_code", False)]
-        if code and not self.reward.allow_unsandboxed_code:
-            from engines.rewards.sandbox import isolation
-
-            level, missing = isolation()
-            if level == "none":
-                raise ValueError(f"reward {code[0]!r} runs model-written code, but the sandbox gets no kernel isolation "
-                                 f"here ({missing}); run as root or where unprivileged user namespaces are allowed, or "
-                                 "set reward.allow_unsandboxed_code=true to confine it by rlimits and an audit hook only")
+        keep_groups = self.algorithm.advantage in advantages.GROUP_ESTIMATORS
+        units = self.rollout.prompts_per_step * (1 if keep_groups else self.rollout.group_size)
+        if self.train.mini_batches > units:
+            what = "prompt groups (mini-batches keep groups whole)" if keep_groups else "rows"
+            raise CheckError(("train.mini_batches", "rollout.prompts_per_step"), f"train.mini_batches "
+                                  f"({self.train.mini_batches}) exceeds the {units} {what} of a rollout batch; lower it")
         return self

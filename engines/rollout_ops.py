@@ -16,7 +16,7 @@ import torch
 
 from engines.algorithms import advantages, kl
 from engines.algorithms.advantages import outcome_token_rewards
-from engines.algorithms.shaping import RunningMoments, ShapingSpec, shape_advantages, shape_sequence_rewards
+from engines.algorithms.shaping import RunningMoments, ShapingSpec, refill_rows, shape_advantages, shape_sequence_rewards
 from engines.rewards import warm_up
 from engines.rewards.runner import score_samples
 from engines.types import Rollouts, build_train_batch
@@ -157,7 +157,7 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
         kept = torch.tensor([reason != "length" for reason in rollouts.finish_reasons], dtype=mask.dtype, device=mask.device)
         mask = mask * kept.unsqueeze(-1)
         summary["shaping/overlong_filtered_frac"] = 1.0 - float(kept.mean())
-    batch = dataclasses.replace(batch, loss_mask=mask,
+    batch = dataclasses.replace(batch, loss_mask=mask, group_ids=group_ids,
                                 tensors={**batch.tensors, **tensors, "advantages": adv * mask, "returns": returns * mask})
     is_response = mask.bool()
     summary["advantage/mean"] = float(adv[is_response].mean()) if is_response.any() else 0.0
@@ -208,5 +208,23 @@ class RewardWorker:
         about 0.3 ms of the caller's time."""
         return advantage_batch(rollouts, rewards, torch.as_tensor(group_ids), spec, **kwargs)
 
-    def concat(self, rows: list[list[int]], *parts: Rollouts) -> Rollouts:
-        return concat_rollouts(list(parts), rows)
+    def join(self, rows: list[list[int] | None], *parts):
+        """One batch from several generation calls or dynamic-sampling rounds: rows ``rows[k]`` (all when
+        None) of the k-th ``(Rollouts, rewards [B_k])`` pair, the pairs given flat in ``parts`` (rollouts,
+        rewards, rollouts, rewards, …, so Ray resolves them). Returns ``(rollouts, rewards)``."""
+        rollouts, rewards = list(parts[0::2]), list(parts[1::2])
+        rows = [list(range(len(r))) if idx is None else idx for r, idx in zip(rewards, rows)]
+        return concat_rollouts(rollouts, rows), torch.cat([r[idx] for r, idx in zip(rewards, rows)])
+
+    def informative_rows(self, rewards: torch.Tensor, group_size: int, room: int) -> list[int]:
+        """Rows of the first ``room`` groups whose rewards are not all equal (dynamic sampling)."""
+        return refill_rows(rewards, group_size, room)
+
+    def samples(self, rollouts: Rollouts, rewards: torch.Tensor, prompts: list[str], columns: dict[str, list],
+                limit: int) -> list[dict]:
+        """The first ``limit`` rows as a table of samples for tracking: prompt, completion, answer, reward,
+        finish reason and domain."""
+        answers = columns.get("answer", [""] * len(prompts))
+        return [{"prompt": prompts[i], "completion": rollouts.completions[i], "answer": str(answers[i]),
+                 "reward": float(rewards[i]), "finish_reason": rollouts.finish_reasons[i],
+                 "domain": columns["domain"][i]} for i in range(min(limit, len(prompts)))]

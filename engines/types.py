@@ -85,6 +85,7 @@ class TrainBatch:
     # [B, L] int64: 0 on the prompt and padding, k >= 1 on the k-th (response, observation) segment;
     # None becomes 1 on the loss_mask tokens (a single-turn batch)
     turn_index: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None  # [B] int64: rows with one id are completions of one prompt
 
     def __post_init__(self) -> None:
         if self.turn_index is None:
@@ -103,6 +104,7 @@ class TrainBatch:
             loss_mask=cut(self.loss_mask),
             turn_index=cut(self.turn_index),
             tensors={k: cut(v) for k, v in self.tensors.items()},
+            group_ids=None if self.group_ids is None else self.group_ids[rows],
         )
 
     def micro_batches(self, size: int):

@@ -1,5 +1,6 @@
 """RLVR: sample G completions per prompt, reward them with a verifiable checker, turn rewards into
-advantages with the configured estimator, and take one policy-gradient step per batch.
+advantages with the configured estimator, and train on each batch with PPO's inner loop
+(``train.ppo_epochs`` passes of ``train.mini_batches`` optimizer steps; 1 × 1 is one step per batch).
 
 Variants by config (``configs/algorithms/*.yaml``): GRPO (Shao et al. 2024), Dr.GRPO, DAPO (clip-higher,
 dynamic sampling, overlong shaping), GSPO, RLOO, REINFORCE++ (+baseline), Lite PPO, RAFT++, TOPR, and
@@ -11,17 +12,16 @@ fixed or adaptive. Every step: generate → score (→ refill, dynamic sampling)
 Launch: ``rollflow run configs/tiny.yaml`` (RL only), ``rollflow run configs/algorithms/ppo.yaml``, or
 ``rollflow run configs/quickstart.yaml`` (SFT + RL). Rerunning the same command resumes from the newest
 complete checkpoint in ``run.dir`` (policy, critic, optimizer states, data position, KL coefficient,
-running reward statistics).
+running reward statistics). ``rl_step`` is the step body; tests and ``bench/algorithms.py`` run this
+flow itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import ray
-import torch
 from prefect import flow
 from prefect.utilities.annotations import quote  # large task arguments: Prefect need not walk them (no futures inside)
 
@@ -34,17 +34,19 @@ from engines import checkpoint_store as store
 from engines.actors import describe, run_actor_names, start_engine, stop_engine
 from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import PolicyObjective, ValueObjective
-from engines.algorithms.shaping import RunningMoments, ShapingSpec, refill_rows
+from engines.algorithms.advantages import GROUP_ESTIMATORS
+from engines.algorithms.shaping import RunningMoments, ShapingSpec
 from engines.data.domains import draw
 from engines.rewards.failures import RewardFailureMonitor, failures_by_domain
 from engines.rollout_ops import AdvantageSpec, ScoreSpec, summarize
 from engines.training.torch import OptimSpec
+from engines.training.updates import UpdateSpec
 from engines.types import SamplingParams
 from tasks.advantages import compute_advantages
 from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
-from tasks.score import Chunk, generate_and_score
+from tasks.score import Chunk, generate_and_score, join_rounds, rollout_samples
 from tasks.sync import sync_weights
 from tasks.train import train
 
@@ -88,7 +90,7 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
                   torch_threads=config.run.torch_threads)
     trainable = dict(common, reuse=restoring)
     temperature = config.rollout.temperature
-    optim = OptimSpec(**config.train.optim.model_dump(), total_steps=config.train.steps)
+    optim = OptimSpec(**config.train.optim.model_dump(), total_steps=optimizer_steps(config, "policy"))
     rollout = start_engine(f"rollout/{config.rollout.engine}", role="rollout", **common)
     trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
                            micro_batch_size=config.train.micro_batch_size, temperature=temperature,
@@ -99,7 +101,7 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
                                  temperature=temperature, packing=config.train.packing,
                                  share_prompts=config.train.share_prompts, **common)
     if config.algorithm.advantage == "gae":
-        critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=config.train.steps)
+        critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=optimizer_steps(config, "critic"))
         critic = start_engine(f"train/{config.train.engine}", role="critic", optim=critic_optim, seed=config.run.seed,
                               micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
     # Threaded actors: a worker takes several chunks at once; its reward pool bounds the calls in flight.
@@ -115,6 +117,12 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     return RLEngines(rollout, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
                      stop_token_ids(tokenizer, config.rollout.stop))
 
+
+
+def optimizer_steps(config: Config, role: str) -> int:
+    """Optimizer steps of the whole run for ``role`` (policy or critic): what its LR schedule spans."""
+    source = config.train if role == "policy" else config.algorithm.critic
+    return config.train.steps * source.mini_batches * source.ppo_epochs
 
 
 def judge_model_path(domains: list, model_path: str) -> str | None:
@@ -152,9 +160,51 @@ def build_advantage_spec(config: Config, pad_token_id: int) -> AdvantageSpec:
                          kl_estimator=alg.kl.estimator, kl_in_reward=alg.kl.mode == "reward")
 
 
+def update_spec(config: Config, step: int, role: str = "policy") -> UpdateSpec:
+    """PPO's inner loop for ``role`` (policy or critic) at ``step``: its mini-batches and epochs, whole
+    groups for a group estimator, and a row order seeded by the run seed, the step and the role (so a
+    resumed run trains on the same mini-batches as an uninterrupted one)."""
+    source = config.train if role == "policy" else config.algorithm.critic
+    seed = (config.run.seed * 1_000_003 + step) * 2 + (role != "policy")
+    return UpdateSpec(mini_batches=source.mini_batches, epochs=source.ppo_epochs, seed=seed,
+                      keep_groups=config.algorithm.advantage in GROUP_ESTIMATORS)
+
+
+@dataclass
+class RLState:
+    """What an RL run carries from step to step; checkpointed as JSON (``state.json``) and returned."""
+
+    mlflow_run_id: str
+    kl_coef: float  # the adaptive controller moves it
+    step: int = 0
+    domain_positions: dict[str, int] = field(default_factory=dict)  # prompts drawn per domain
+    heldout_accuracy: dict[str, float] = field(default_factory=dict)  # by step, as a string
+    reward_moments: RunningMoments = field(default_factory=RunningMoments)  # reward_norm: running
+    reward_failures: dict[str, int] = field(default_factory=dict)  # consecutive failing steps per domain
+    resumed_from: list[int] = field(default_factory=list)  # the step each later attempt started from
+
+    @property
+    def data_position(self) -> int:
+        """Prompts drawn so far, all domains."""
+        return sum(self.domain_positions.values())
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "data_position": self.data_position}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RLState":
+        """The state a checkpoint saved; one from before domains keeps its position as domain ``default``."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        state = cls(**{k: v for k, v in data.items() if k in known})
+        state.reward_moments = RunningMoments(**data.get("reward_moments", {}))
+        if not state.domain_positions and data.get("data_position"):
+            state.domain_positions = {"default": data["data_position"]}
+        return state
+
+
 @dataclass
 class ScoredBatch:
-    """One step's scored rollouts (rows grouped by prompt) and what the driver keeps of them."""
+    """One step's scored rollouts (Ray refs, rows grouped by prompt) and what the driver keeps of them."""
 
     rollouts_ref: object
     rewards_ref: object
@@ -192,59 +242,92 @@ def build_chunks(cfg: Config, engines: RLEngines, drawn: list, seed: int) -> lis
     return chunks
 
 
-def sample_batch(cfg: Config, engines: RLEngines, domains: list, positions: dict[str, int], step: int,
-                 reward_failures: RewardFailureMonitor | None = None) -> ScoredBatch:
+def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState, step: int,
+                 reward_failures: RewardFailureMonitor) -> ScoredBatch:
     """Generate and score ``prompts_per_step × group_size`` rollouts, each domain's share of them.
 
     With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
     drawn, up to ``max_rounds`` rounds; ``dynamic/fill_ratio`` is the share of the batch filled. Reward
-    metrics are those of the first round: an unfiltered sample of the policy."""
+    metrics are those of the first round (an unfiltered sample of the policy); ``rollout/tokens`` and
+    ``perf/generate_compute_s`` count every round."""
     prompts_per_step, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     dynamic = cfg.algorithm.dynamic_sampling
-    parts, metrics = [], {}
-    kept_groups = 0
+    positions, metrics, rounds, prompts, columns = state.domain_positions, {}, [], [], []
+    room = prompts_per_step
     for round_index in range(dynamic.max_rounds if dynamic.enabled else 1):
         drawn, positions = draw(domains, positions)
         chunks = build_chunks(cfg, engines, drawn, seed=(cfg.run.seed * 1_000_003 + step) * 101 + round_index)
         with timed(metrics, "time/generate_and_score"):
-            results = generate_and_score(engines.rollout, engines.reward_workers, quote(chunks), cfg.reward.async_scoring)
-        stats = [r[2] for r in results]
+            scored = generate_and_score(engines.rollout, engines.reward_workers, quote(chunks), cfg.reward.async_scoring,
+                                        keep_groups=(group, room) if dynamic.enabled else None)
         if round_index == 0:
-            metrics.update(summarize(stats))
-            if reward_failures is not None:  # warns per domain with failures; raises past reward.failure_patience
-                reward_failures.update(step, failures_by_domain(stats))
+            metrics.update(summarize(scored.stats))
+            reward_failures.update(step, failures_by_domain(scored.stats))  # warns; raises past reward.failure_patience
         else:
-            metrics["rollout/tokens"] += sum(s["length_sum"] for s in stats)
-        prompts = [p for c in chunks for p in c.prompts]
+            metrics["rollout/tokens"] += sum(s["length_sum"] for s in scored.stats)
+            metrics["perf/generate_compute_s"] += sum(s["generate_s"] for s in scored.stats)
+        rounds.append(scored)
+        prompts.append([p for c in chunks for p in c.prompts])
         keys = sorted({k for c in chunks for k in c.columns})
-        columns = {k: [v for c in chunks for v in c.columns.get(k, [None] * len(c.prompts))] for k in keys}
-        columns["domain"] = [c.score.domain for c in chunks for _ in c.prompts]
-        if len(results) == 1:
-            rollouts_ref, rewards_ref = results[0][:2]
-        else:
-            rollouts_ref = engines.reward_worker.concat.remote([list(range(len(c.prompts))) for c in chunks],
-                                                               *[r[0] for r in results])
-            rewards_ref = ray.put(torch.cat(ray.get([r[1] for r in results])))
-        group_ids = [j for j in range(prompts_per_step) for _ in range(group)]
-        if not dynamic.enabled:
-            return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, positions, metrics)
-        kept_rows = refill_rows(ray.get(rewards_ref), group, prompts_per_step - kept_groups)
-        parts.append((rollouts_ref, rewards_ref, kept_rows, prompts, columns))
-        kept_groups += len(kept_rows) // group
-        if kept_groups == prompts_per_step:
+        columns.append({**{k: [v for c in chunks for v in c.columns.get(k, [None] * len(c.prompts))] for k in keys},
+                        "domain": [c.score.domain for c in chunks for _ in c.prompts]})
+        room -= len(scored.kept_rows or []) // group
+        if room == 0 or not dynamic.enabled:
             break
-    metrics["dynamic/fill_ratio"] = kept_groups / prompts_per_step
-    metrics["dynamic/rounds"] = float(len(parts))
-    if kept_groups == 0:  # nothing informative: train on the last round as drawn (its group advantages are 0)
-        rollouts_ref, rewards_ref, _, prompts, columns = parts[-1]
-        return ScoredBatch(rollouts_ref, rewards_ref, group_ids, prompts, columns, positions, metrics)
-    rows_per_part = [part[2] for part in parts]
-    rollouts_ref = engines.reward_worker.concat.remote(rows_per_part, *[part[0] for part in parts])
-    rewards = torch.cat([ray.get(part[1])[rows] for part, rows in zip(parts, rows_per_part)])
-    prompts = [part[3][i] for part, rows in zip(parts, rows_per_part) for i in rows]
-    columns = {key: [part[4][key][i] for part, rows in zip(parts, rows_per_part) for i in rows] for key in parts[0][4]}
+    if dynamic.enabled:
+        kept_groups = prompts_per_step - room
+        metrics["dynamic/fill_ratio"] = kept_groups / prompts_per_step
+        metrics["dynamic/rounds"] = float(len(rounds))
+        if kept_groups == 0:  # nothing informative: train on the last round as drawn (its group advantages are 0)
+            rounds, prompts, columns = [dataclasses.replace(rounds[-1], kept_rows=None)], prompts[-1:], columns[-1:]
+            kept_groups = prompts_per_step
+        rollouts_ref, rewards_ref = join_rounds(engines.reward_worker, quote(rounds))
+        rows = [r.kept_rows if r.kept_rows is not None else range(len(p)) for r, p in zip(rounds, prompts)]
+        prompts = [[p[i] for i in idx] for p, idx in zip(prompts, rows)]
+        columns = [{k: [v[i] for i in idx] for k, v in c.items()} for c, idx in zip(columns, rows)]
+    else:
+        [scored], kept_groups = rounds, prompts_per_step
+        rollouts_ref, rewards_ref = scored.rollouts_ref, scored.rewards_ref
     group_ids = [j for j in range(kept_groups) for _ in range(group)]
-    return ScoredBatch(rollouts_ref, ray.put(rewards), group_ids, prompts, columns, positions, metrics)
+    return ScoredBatch(rollouts_ref, rewards_ref, group_ids, [p for part in prompts for p in part],
+                       {k: [v for c in columns for v in c[k]] for k in columns[0]}, positions, metrics)
+
+
+def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step: int, *,
+            reward_failures: RewardFailureMonitor) -> tuple[ScoredBatch, dict[str, float]]:
+    """One RL step: generate → score (→ refill) → compute_advantages → train (critic, then policy) →
+    sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics."""
+    alg = cfg.algorithm
+    scored = sample_batch(cfg, engines, domains, state, step, reward_failures)
+    metrics = scored.metrics
+    with timed(metrics, "time/advantages"):
+        batch_ref, advantage_metrics, moments = compute_advantages(
+            engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, quote(scored.group_ids),
+            build_advantage_spec(cfg, engines.pad_token_id), reference=engines.reference,
+            trainer=engines.trainer if alg.old_logprobs == "trainer" else None, critic=engines.critic,
+            kl_coef=state.kl_coef, moments=state.reward_moments)
+    metrics.update(advantage_metrics)
+    if engines.critic is not None:
+        with timed(metrics, "time/train_critic"):
+            metrics.update(train(engines.critic, batch_ref, ValueObjective(clip_range=alg.critic.clip_range),
+                                 update_spec(cfg, step, "critic")))
+    if engines.critic is None or step > alg.critic.warmup_steps:  # PPO's critic warm-up trains the critic alone
+        objective = build_objective(cfg)
+        if objective.kl_coef:
+            objective = dataclasses.replace(objective, kl_coef=state.kl_coef)
+        with timed(metrics, "time/train"):
+            metrics.update(train(engines.trainer, batch_ref, objective, update_spec(cfg, step)))
+        with timed(metrics, "time/sync_weights"):
+            sync_weights(engines.trainer, [engines.rollout], step, cfg.sync.bucket_mb)
+    if alg.kl.controller == "adaptive":
+        state.kl_coef = adaptive_kl_coef(coef=state.kl_coef, observed_kl=advantage_metrics["kl/seq_mean"],
+                                         target_kl=alg.kl.target, horizon=alg.kl.horizon,
+                                         num_samples=len(scored.group_ids))
+        metrics["kl/coef"] = state.kl_coef
+    metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/generate_compute_s"], 1e-9)
+    state.step, state.domain_positions, state.reward_moments = step, scored.positions, moments
+    state.reward_failures = reward_failures.state()
+    return scored, metrics
 
 
 def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[float, dict[str, float], list[dict]]:
@@ -271,97 +354,54 @@ def eval_metrics(accuracy: float, per_domain: dict[str, float]) -> dict[str, flo
 
 @flow(name="rlvr", persist_result=False)
 def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: str) -> dict:
-    """RL from ``model_path`` with ``config.algorithm``; returns the final state (step, data position,
-    held-out accuracies, KL coefficient, running reward moments, the checkpoint steps resumed from)."""
-    cfg, run_dir, alg = config, config.run.resolved_dir, config.algorithm
+    """RL from ``model_path`` with ``config.algorithm``; returns the final ``RLState`` as JSON (step, data
+    position, held-out accuracies, KL coefficient, running reward moments, the checkpoint steps resumed from)."""
+    cfg, run_dir = config, config.run.resolved_dir
     domains = load_domains(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     latest = store.latest_checkpoint(run_dir)
     engines = start_rl_engines(cfg, model_path, restoring=latest is not None, domains=domains)
     record_engines(run_dir, engines)
-    objective = build_objective(cfg)
-    value_objective = ValueObjective(clip_range=alg.critic.clip_range)
-    advantage_spec = build_advantage_spec(cfg, engines.pad_token_id)
-    old_logprob_engine = engines.trainer if alg.old_logprobs == "trainer" else None
 
-    state = {"step": 0, "data_position": 0, "domain_positions": {}, "heldout_accuracy": {}, "mlflow_run_id": mlflow_run_id,
-             "kl_coef": alg.kl.coef, "reward_moments": dataclasses.asdict(RunningMoments()), "resumed_from": []}
+    state = RLState(mlflow_run_id=mlflow_run_id, kl_coef=cfg.algorithm.kl.coef)
     if latest is not None:
-        state = {**state, **restore(engines.train_engines, latest[1])}
-        state["resumed_from"] = [*state["resumed_from"], state["step"]]  # each attempt's starting checkpoint
-    sync_weights(engines.trainer, [engines.rollout], state["step"], cfg.sync.bucket_mb)
-    if not state["domain_positions"] and state["data_position"]:  # a checkpoint from before domains
-        state["domain_positions"] = {"default": state["data_position"]}
-    if state["step"] == 0:
+        state = RLState.from_json(restore(engines.train_engines, latest[1]))
+        state.resumed_from.append(state.step)  # each attempt's starting checkpoint
+    sync_weights(engines.trainer, [engines.rollout], state.step, cfg.sync.bucket_mb)
+    if state.step == 0:
         accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
-        state["heldout_accuracy"]["0"] = accuracy
+        state.heldout_accuracy["0"] = accuracy
         tracker.log_step("eval", 0, eval_metrics(accuracy, per_domain))
         tracker.log_samples("eval_step_000000", samples[: cfg.tracking.num_samples])
 
-    reward_failures = RewardFailureMonitor(max_failure_rate=cfg.reward.max_failure_rate, patience=cfg.reward.failure_patience,
-                                           streaks=state.get("reward_failures"))  # a resume keeps counting
-    progress = StageProgress("rl", cfg.train.steps, start=state["step"],
+    reward_failures = RewardFailureMonitor(max_failure_rate=cfg.reward.max_failure_rate,
+                                           patience=cfg.reward.failure_patience, streaks=state.reward_failures)
+    progress = StageProgress("rl", cfg.train.steps, start=state.step,
                              keys=("reward/mean", "eval/heldout_accuracy", "time/step"))
     with tracker.sent_on_error():  # a failing run's last metrics are the ones to see
-        for step in range(state["step"] + 1, cfg.train.steps + 1):
+        for step in range(state.step + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
             tracker.flush_if_due(cfg.tracking.flush_every_s)  # earlier steps' metrics, timed as part of this step
-            scored = sample_batch(cfg, engines, domains, state["domain_positions"], step, reward_failures)
-            metrics = scored.metrics
-            with timed(metrics, "time/advantages"):
-                batch_ref, advantage_metrics, moments = compute_advantages(
-                    engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, quote(scored.group_ids), advantage_spec,
-                    reference=engines.reference, trainer=old_logprob_engine, critic=engines.critic,
-                    kl_coef=state["kl_coef"], moments=RunningMoments(**state["reward_moments"]))
-            metrics.update(advantage_metrics)
-            if engines.critic is not None:
-                with timed(metrics, "time/train_critic"):
-                    metrics.update(train(engines.critic, batch_ref, value_objective))
-            if step > alg.critic.warmup_steps or engines.critic is None:
-                step_objective = dataclasses.replace(objective, kl_coef=state["kl_coef"]) if objective.kl_coef else objective
-                with timed(metrics, "time/train"):
-                    metrics.update(train(engines.trainer, batch_ref, step_objective))
-                with timed(metrics, "time/sync_weights"):
-                    sync_weights(engines.trainer, [engines.rollout], step, cfg.sync.bucket_mb)
-            if alg.kl.controller == "adaptive":
-                state["kl_coef"] = adaptive_kl_coef(coef=state["kl_coef"], observed_kl=advantage_metrics["kl/seq_mean"],
-                                                    target_kl=alg.kl.target, horizon=alg.kl.horizon,
-                                                    num_samples=len(scored.group_ids))
-                metrics["kl/coef"] = state["kl_coef"]
-            state["step"], state["domain_positions"] = step, scored.positions
-            state["data_position"] = sum(scored.positions.values())  # prompts drawn so far, all domains
-            state["reward_moments"] = dataclasses.asdict(moments)
-            state["reward_failures"] = reward_failures.state()
-
+            scored, metrics = rl_step(cfg, engines, domains, state, step, reward_failures=reward_failures)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 with timed(metrics, "time/evaluate"):  # evaluation and its sample table
                     accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
                     tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
-                state["heldout_accuracy"][str(step)] = accuracy
+                state.heldout_accuracy[str(step)] = accuracy
                 metrics.update(eval_metrics(accuracy, per_domain))
             if cfg.tracking.sample_every and step % cfg.tracking.sample_every == 0:
-                tracker.log_samples(f"rollouts_step_{step:06d}",
-                                    rollout_samples(ray.get(scored.rollouts_ref), scored.prompts, scored.columns,
-                                                    ray.get(scored.rewards_ref), cfg.tracking.num_samples))
+                tracker.log_samples(f"rollouts_step_{step:06d}", rollout_samples(
+                    engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, quote(scored.prompts),
+                    quote(scored.columns), cfg.tracking.num_samples))
             metrics["time/step"] = time.perf_counter() - step_start
-            metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/generate_compute_s"], 1e-9)
             tracker.log_step("rl", step, metrics, flush=False)
             progress.update(step, metrics)
 
             if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
                 tracker.flush()  # before a checkpoint can claim these steps: a resume re-runs only unsent ones
-                checkpoint(engines.train_engines, run_dir, step, state, cfg.checkpoint.keep)
+                checkpoint(engines.train_engines, run_dir, step, state.to_json(), cfg.checkpoint.keep)
     progress.close()
     tracker.flush()
-    save_model(engines.trainer, final_dir(cfg), state["step"], state, key=stage_key(cfg, "rlvr", model_path))
+    save_model(engines.trainer, final_dir(cfg), state.step, state.to_json(), key=stage_key(cfg, "rlvr", model_path))
     engines.stop()
-    return state
-
-
-def rollout_samples(rollouts, prompts: list[str], columns: dict[str, list], rewards, limit: int) -> list[dict]:
-    answers = columns.get("answer", [""] * len(prompts))
-    return [
-        {"prompt": prompts[i], "completion": rollouts.completions[i], "answer": str(answers[i]),
-         "reward": float(rewards[i]), "finish_reason": rollouts.finish_reasons[i], "domain": columns["domain"][i]}
-        for i in range(min(limit, len(prompts)))
-    ]
+    return state.to_json()

@@ -134,7 +134,7 @@ def ppo_clip(
     has grown far above 1; ``dual_clip`` must then be > 1 (3.0 in the paper).
 
     Metrics: ``actor/clipfrac`` (fraction of tokens where the clip is active), ``actor/dual_clipfrac``,
-    ``actor/approx_kl`` (token-mean of ``0.5 * (LP - OLP)^2``), ``actor/ratio_mean``.
+    ``actor/ratio_mean`` and ``ratio_metrics``' ``actor/approx_kl``, ``actor/ratio_max``, ``actor/ratio_min``.
     """
     if dual_clip and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {dual_clip}")
@@ -152,8 +152,8 @@ def ppo_clip(
         metrics = {
             "actor/clipfrac": _token_mean((pg_losses2 > pg_losses1).float(), loss_mask),
             "actor/dual_clipfrac": _token_mean(dual_clipped.float(), loss_mask),
-            "actor/approx_kl": _token_mean(0.5 * log_ratio.square(), loss_mask),
             "actor/ratio_mean": _token_mean(ratio, loss_mask),
+            **ratio_metrics(log_ratio, loss_mask),
         }
     return pg_losses, metrics
 
@@ -178,7 +178,8 @@ def gspo(
     Pair with ``agg: seq-mean-token-mean`` (the paper's per-sequence mean). The paper's clip range is
     tiny (3e-4 / 4e-4) because ``s_i`` is a geometric mean over the response.
 
-    Metrics: ``actor/clipfrac`` (fraction of sequences clipped), ``actor/seq_ratio_mean``.
+    Metrics: ``actor/clipfrac`` (fraction of sequences clipped), ``actor/seq_ratio_mean``, and
+    ``ratio_metrics`` with the sequence ratios ``s_i`` as ``actor/ratio_max`` / ``actor/ratio_min``.
     """
     log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)  # [B, L]
     lengths = loss_mask.sum(-1).clamp(min=1)  # [B]
@@ -194,6 +195,7 @@ def gspo(
         metrics = {
             "actor/clipfrac": float((seq_clipped * has_tokens).sum() / has_tokens.sum().clamp(min=1)),
             "actor/seq_ratio_mean": float((seq_log_ratio.exp() * has_tokens).sum() / has_tokens.sum().clamp(min=1)),
+            **ratio_metrics(log_ratio, loss_mask, seq_log_ratio=seq_log_ratio),
         }
     return pg_losses, metrics
 
@@ -217,7 +219,9 @@ def topr(
     pushed down only while still likely, which keeps the update stable off-policy without a KL term.
     Use with the ``topr`` advantage (signed, separately weighted returns).
 
-    Metrics: ``actor/negative_frac`` (share of rows with ``A < 0``), ``actor/negative_weight_mean``.
+    Metrics: ``actor/negative_frac`` (share of rows with ``A < 0``), ``actor/negative_weight_mean``,
+    ``actor/clipfrac`` (share of rows whose ratio the truncation cuts: ``A_i < 0`` and ``rho_i > 1``), and
+    ``ratio_metrics`` with the sequence ratios ``rho_i``.
     """
     log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)
     seq_log_ratio = (log_ratio * loss_mask).sum(-1).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B]
@@ -229,6 +233,8 @@ def topr(
         metrics = {
             "actor/negative_frac": float(negative.float().mean()),
             "actor/negative_weight_mean": float(weights[negative].mean()) if negative.any() else 1.0,
+            "actor/clipfrac": float((negative & (seq_log_ratio > 0)).float().mean()),
+            **ratio_metrics(log_ratio, loss_mask, seq_log_ratio=seq_log_ratio),
         }
     return pg_losses, metrics
 
@@ -264,6 +270,20 @@ def value_loss(
         metrics = {"critic/vf_clipfrac": clipfrac, "critic/vpred_mean": _token_mean(values, loss_mask),
                    "critic/explained_variance": explained}
     return token_losses, metrics
+
+
+def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor, *,
+                  seq_log_ratio: torch.Tensor | None = None) -> dict[str, float]:
+    """How far the policy has moved from the rollout's: ``actor/approx_kl`` (token-mean of
+    ``0.5 * (LP - OLP)^2`` over ``mask``, Schulman's approximation of KL(old || new)) and the largest and
+    smallest importance ratio, ``actor/ratio_max`` / ``actor/ratio_min``: of the tokens, or of the rows'
+    ``seq_log_ratio`` [B] for a sequence-level loss (rows without tokens left out). 1 when nothing counts."""
+    with torch.no_grad():
+        has_tokens = mask.sum(-1) > 0  # [B]
+        ratios = (seq_log_ratio[has_tokens] if seq_log_ratio is not None else log_ratio[mask > 0]).exp()
+        return {"actor/approx_kl": _token_mean(0.5 * log_ratio.square(), mask),
+                "actor/ratio_max": float(ratios.max()) if ratios.numel() else 1.0,
+                "actor/ratio_min": float(ratios.min()) if ratios.numel() else 1.0}
 
 
 def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

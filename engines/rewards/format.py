@@ -1,5 +1,6 @@
 """Format rewards: ``think_answer_format`` checks the ``<think>…</think><answer>…</answer>`` layout, and
-``weighted`` adds up other registered rewards with weights.
+``weighted`` adds up other registered rewards with weights; ``regex_match`` checks a completion against a
+regular expression.
 
 ``think_answer_format`` is the format reward of DeepSeek-R1 (arXiv:2501.12948, section 2.2.2): 1.0
 when the completion is a reasoning block followed by an answer block, else 0.0. ``strict=True`` (default)
@@ -81,6 +82,26 @@ def _in_order(text: str, tags: tuple[str, ...]) -> bool:
             return False
         position = found + len(tag)
     return True
+
+
+@REWARDS.register("regex_match")
+def regex_match(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    pattern: str = r".+",  # a Python regular expression the whole stripped completion must match
+    **_: Any,
+) -> list[float]:
+    """1.0 per completion whose text, stripped of surrounding whitespace, matches ``pattern`` in full
+    (``re.fullmatch``), else 0.0: a format reward such as "a bare 1-2 digit number".
+
+    >>> regex_match(["Q"] * 3, ["42", " 7 ", "4+2"], pattern=r"\\d{1,2}")
+    [1.0, 1.0, 0.0]
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"regex_match needs aligned lists; got {len(prompts)} prompts and {len(completions)} completions")
+    compiled = re.compile(pattern)
+    return [1.0 if compiled.fullmatch(c.strip()) else 0.0 for c in completions]
 
 
 @REWARDS.register("weighted")

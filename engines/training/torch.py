@@ -1,7 +1,8 @@
 """Plain-torch training engine: one process, CPU or one GPU.
 
-``train_step`` runs micro-batches with gradient accumulation, clips the gradient norm, steps AdamW and
-the LR schedule. The loss is passed in (``engines.algorithms.objective``), so the engine knows nothing
+``train_step`` runs PPO's inner loop over a rollout batch (``engines.training.updates``: epochs ×
+mini-batches of optimizer steps, each with micro-batches, gradient accumulation, a gradient-norm clip,
+AdamW and the LR schedule). The loss is passed in (``engines.algorithms.objective``), so the engine knows nothing
 of the algorithm. ``head="value"`` makes the same engine a critic: a scalar value per token instead of
 log-probabilities, trained by a value objective. ``save``/``load`` cover model, optimizer, scheduler and RNG states through fsspec.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import io
 import math
 import random
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +22,8 @@ import torch
 from engines.checkpoint_store import write_bytes
 from engines.models import load_model, load_tokenizer, load_value_model, set_torch_threads
 from engines.training.logprobs import batched_logprobs, batched_values, packed_token_logprobs, token_logprobs, token_values
+from engines.training.precision import MasterWeights, needs_master_weights
+from engines.training.updates import UpdateSpec, run_updates
 from engines.types import Rollouts, TrainBatch, build_train_batch
 from engines.weight_sync import Bucket, SharedWeights, SharedWeightWriter, node_id, pack_buckets, weights_checksum
 
@@ -93,11 +95,19 @@ class TorchTrainEngine:
         self.packing = packing
         self.share_prompts = packing and share_prompts
         self._shared_writer: SharedWeightWriter | None = None  # created at the first shared-memory sync
+        # bf16/fp16 parameters: the optimizer steps fp32 master copies (engines.training.precision)
+        self.master = MasterWeights(self.model) if needs_master_weights(self.model) else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+            self._optimized_parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
             fused=_fused_adamw(self.model),
         )
+        if self.master is not None:
+            self.master.attach(self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, optim))
+
+    def _optimized_parameters(self) -> list[torch.Tensor]:
+        """What the optimizer steps: the fp32 masters of a low-precision model, else its parameters."""
+        return self.master.params if self.master is not None else list(self.model.parameters())
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -130,38 +140,16 @@ class TorchTrainEngine:
                                                temperature=self.temperature, with_entropy=True, entropy_grad=entropy_grad)
         return {"logprobs": logprobs, "entropy": entropy}
 
-    def train_step(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
-        """One optimizer step over ``batch`` split into micro-batches; returns averaged metrics.
-
-        Rows the objective shows to have no gradient (``rows_with_gradient``: zero-advantage rows) are
-        not computed; the loss and the gradient stay those of the full batch, and the other metrics
-        (clip fraction, entropy, ...) are means over the rows computed."""
+    def train_step(self, batch: TrainBatch, loss_fn: Callable, update: UpdateSpec = UpdateSpec()) -> dict[str, float]:
+        """``update.epochs × update.mini_batches`` optimizer steps over ``batch`` (``engines.training.updates``),
+        each in micro-batches with gradient accumulation; returns the steps' metrics combined."""
         self._export_done()
-        start = time.perf_counter()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        rows = getattr(loss_fn, "rows_with_gradient", lambda _: None)(batch)
-        computed = batch if rows is None else batch.select(rows)
-        totals: dict[str, float] = {}
-        weights = 0.0
-        for micro in computed.micro_batches(self.micro_batch_size):
-            weight = loss_fn.micro_weight(micro, batch)  # the share of the full batch: skipped rows add 0
-            loss, metrics = loss_fn(**self._forward(micro), batch=micro)
-            (loss * weight).backward()
-            weights += weight
-            for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + weight * value
-            totals["train/loss"] = totals.get("train/loss", 0.0) + weight * float(loss.detach())
-        exact = {"train/loss", "actor/pg_loss"}  # sums over the full batch as they are
-        totals = {k: v if k in exact or not weights else v / weights for k, v in totals.items()}
-        totals["train/skipped_rows"] = float(len(batch) - len(computed))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_spec.grad_clip)
-        totals["train/lr"] = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        totals["train/grad_norm"] = float(grad_norm)
-        totals["train/tokens"] = float(batch.attention_mask.sum())
-        totals["perf/train_compute_s"] = time.perf_counter() - start
+        entropy_grad = getattr(loss_fn, "needs_entropy_grad", True)
+        forward = lambda micro: self._forward(micro, entropy_grad=entropy_grad)  # noqa: E731
+        totals = run_updates(batch, loss_fn, update, forward=forward, parameters=self._optimized_parameters(),
+                             optimizer=self.optimizer, scheduler=self.scheduler,
+                             micro_batch_size=self.micro_batch_size, grad_clip=self.optim_spec.grad_clip)
         if self.head == "value":  # the critic's metrics live under critic/
             totals = {k.replace("train/", "critic/", 1): v for k, v in totals.items()}
             totals["perf/critic_compute_s"] = totals.pop("perf/train_compute_s")
@@ -219,6 +207,8 @@ class TorchTrainEngine:
             "scheduler.pt": _torch_bytes(self.scheduler.state_dict()),
             "rng.pt": _torch_bytes({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}),
         }
+        if self.master is not None:
+            files["master.safetensors"] = save({k: v.contiguous() for k, v in self.master.state_dict().items()})
         for name, payload in files.items():
             write_bytes(f"{uri}/{name}", payload)
         return sorted(files)
@@ -237,6 +227,11 @@ class TorchTrainEngine:
         with torch.no_grad():
             for name, tensor in state.items():
                 params[name].copy_(tensor)
+        if self.master is not None:  # a low-precision model's optimizer state belongs to its fp32 masters
+            fs, path = fsspec.core.url_to_fs(f"{uri}/master.safetensors")
+            masters = load(fs.cat_file(path)) if fs.exists(path) else {n: p.float() for n, p in state.items()
+                                                                       if n in self.master.names}
+            self.master.load_state_dict(masters)  # a checkpoint without masters: they start from its weights
         self.optimizer.load_state_dict(_read_torch(f"{uri}/optimizer.pt"))
         for group in self.optimizer.param_groups:  # the saved groups carry the saving engine's kernel choice
             group["fused"], group["foreach"] = _fused_adamw(self.model), None
@@ -273,6 +268,8 @@ class TorchTrainEngine:
                  for key, value in state.items() if torch.is_tensor(value) and value.device.type != "cpu"]
         for state, key, _ in moved:
             state[key] = state[key].to("cpu")
+        if self.master is not None:
+            self.master.to("cpu")
         self._offloaded = (_move(self.model, "cpu"), moved)
 
     def reload(self) -> None:
@@ -281,6 +278,8 @@ class TorchTrainEngine:
             return
         home, moved = self._offloaded
         _move(self.model, home)
+        if self.master is not None:
+            self.master.to(home)
         for state, key, device in moved:
             state[key] = state[key].to(device)
         self._offloaded = None

@@ -15,7 +15,7 @@ from prefect.tasks import Task
 import tasks
 
 NEVER_RETRIED = {"train", "sft_train", "checkpoint", "restore", "save_model", "compute_advantages"}
-MAY_RETRY = {"generate_and_score", "evaluate",  # pure: seeded or greedy sampling, deterministic rewards
+MAY_RETRY = {"generate_and_score", "evaluate", "join_rounds", "rollout_samples",  # pure: seeded sampling, deterministic rewards
              "sync_weights"}  # idempotent: the same weights and version again, checked by checksum
 
 

@@ -14,7 +14,8 @@ from engines.algorithms import losses
 #   t2: A = +2, LP =  0   -> ratio 1:           pg1 = pg2 = -2, max = -2                 (not clipped)
 #   t3: outside the mask; LP = 100 would overflow exp in float32 if it were used.
 # token-mean loss = (-1.2 + 0.8 - 2) / 3 = -0.8; clipfrac = 2/3;
-# approx_kl = 0.5 * (0.25 + 0.25 + 0) / 3 = 0.083333; ratio_mean = (1.64872 + 0.60653 + 1) / 3 = 1.08508.
+# approx_kl = 0.5 * (0.25 + 0.25 + 0) / 3 = 0.083333; ratio_mean = (1.64872 + 0.60653 + 1) / 3 = 1.08508;
+# ratio_max = e^0.5 = 1.64872, ratio_min = e^-0.5 = 0.60653 (t3's e^100 is outside the mask).
 LP = torch.tensor([[0.5, -0.5, 0.0, 100.0]])  # [1, 4]
 OLP = torch.zeros(1, 4)  # [1, 4]
 A = torch.tensor([[1.0, -1.0, 2.0, 5.0]])  # [1, 4]
@@ -35,6 +36,8 @@ def test_hand_worked_loss_and_metrics():
             "actor/dual_clipfrac": 0.0,  # dual_clip is off by default
             "actor/approx_kl": 0.25 / 3,
             "actor/ratio_mean": 1.0850839768,
+            "actor/ratio_max": math.exp(0.5),
+            "actor/ratio_min": math.exp(-0.5),
         },
         rel=1e-6,
     )
@@ -298,6 +301,7 @@ def test_gspo_hand_worked():
     assert loss.item() == pytest.approx((-1.2 + 0.5 * s1) / 2, rel=1e-12)
     assert metrics["actor/clipfrac"] == 0.5
     assert metrics["actor/seq_ratio_mean"] == pytest.approx((s0 + s1) / 2, rel=1e-12)
+    assert (metrics["actor/ratio_max"], metrics["actor/ratio_min"]) == pytest.approx((s0, s1), rel=1e-12)  # sequence ratios
     loss.backward()
     # Row 0 is clipped -> no gradient. Row 1: d/dLP_t of (1/2) * (1/3) * sum_t (-A * s_t), with
     # ds_t/dLP_t = s (the token form) -> 0.5 * 0.9048374 / 6 = 0.0754031 per response token; 0 outside.
@@ -384,6 +388,12 @@ def test_topr_loss_hand_worked():
     assert loss.item() == pytest.approx(1.65 / 7, rel=1e-12)
     assert metrics["actor/negative_frac"] == pytest.approx(2 / 3)
     assert metrics["actor/negative_weight_mean"] == pytest.approx(0.75, rel=1e-12)
+    # Sequence log-ratios: row 0: 0.5 + 0.5 = 1; row 1: -ln 2; row 2: 0.2 + 0 + 0.2 = 0.4. Of the negative
+    # rows (1, 2) only row 2's ratio e^0.4 > 1 is truncated: clipfrac 1/3 of the rows.
+    assert metrics["actor/clipfrac"] == pytest.approx(1 / 3)
+    assert (metrics["actor/ratio_max"], metrics["actor/ratio_min"]) == pytest.approx((math.e, 0.5), rel=1e-12)
+    # approx_kl: 0.5 * (0.25 + 0.25 + ln(2)^2 + 0 + 0.04 + 0 + 0.04) / 7 response tokens
+    assert metrics["actor/approx_kl"] == pytest.approx(0.5 * (0.58 + math.log(2) ** 2) / 7, rel=1e-6)
     loss.backward()
     # d loss / d LP_t = -c_i * A_i / 7 with c_i detached (no gradient through the ratio):
     #   row 0 (positive, no ratio): -2 / 7; row 1 (rho 0.5): 0.5 / 7; row 2 (rho 1.49 capped at 1): 1 / 7
