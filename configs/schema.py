@@ -225,6 +225,10 @@ class RewardConfig(Section):
     failure_patience: int = Field(3, gt=0)
     """Consecutive steps above max_failure_rate after which the run stops with the domain, the reward
     and its first exception."""
+    allow_unsandboxed_code: bool = False
+    """Run a reward that executes model-written code (code) even where its sandbox gets no kernel isolation
+    (not root and no unprivileged user namespaces): then only resource limits and a Python audit hook
+    confine that code. Left false, such a config is refused at load."""
 
     @model_validator(mode="after")
     def _known(self):
@@ -541,8 +545,11 @@ class SyncConfig(Section):
 
 
 class Config(Section):
-    """A full run: optional SFT warm start, then RLVR."""
+    """A run of kind ``rlvr``: optional SFT warm start, then RLVR."""
 
+    kind: Literal["rlvr"] = "rlvr"
+    """Pipeline kind: which stages run (flows/pipeline.py) and which schema the loader validates with
+    (configs/loader.py KINDS). rlvr: base model, SFT when sft: is set, then RL."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig(source="tiny")
     data: DataConfig = DataConfig()
@@ -600,4 +607,22 @@ class Config(Section):
             what = "prompt groups (mini-batches keep groups whole)" if keep_groups else "rows"
             raise CheckError(("train.mini_batches", "rollout.prompts_per_step"), f"train.mini_batches "
                                   f"({self.train.mini_batches}) exceeds the {units} {what} of a rollout batch; lower it")
+        return self
+
+    @model_validator(mode="after")
+    def _code_sandbox(self):
+        """A reward that runs model-written code (``runs_model_code``) needs the sandbox's kernel isolation
+        on this machine (engines.rewards.sandbox.isolation), or the explicit reward.allow_unsandboxed_code."""
+        from engines.rewards import get_reward
+
+        names = [d.reward for d in self.data.domains] or [self.reward.name]
+        code = [name for name in names if getattr(get_reward(name), "runs_model_code", False)]
+        if code and not self.reward.allow_unsandboxed_code:
+            from engines.rewards.sandbox import isolation
+
+            level, missing = isolation()
+            if level == "none":
+                raise ValueError(f"reward {code[0]!r} runs model-written code, but the sandbox gets no kernel isolation "
+                                 f"here ({missing}); run as root or where unprivileged user namespaces are allowed, or "
+                                 "set reward.allow_unsandboxed_code=true to confine it by rlimits and an audit hook only")
         return self

@@ -16,6 +16,8 @@ cut off by the token limit) runs to the end of the text. No code: 0.0 and a ``no
 Every test is one ``engines.rewards.sandbox.run_python`` process (``wall_s`` wall clock, the same CPU
 time, ``memory_mb``; no network, no writes outside its temp dir, see that module), at most
 ``min(4, CPUs)`` at once in a pool shared by the process. A completion with a syntax error is not run.
+The sandbox's kernel layers need root or unprivileged user namespaces; where neither is available a
+config with this reward is refused unless ``reward.allow_unsandboxed_code`` is true.
 
     reward = passed / len(tests)                       (mode="pass_fraction")
     reward = 1.0 if passed == len(tests) else 0.0      (mode="all_pass"; its other tests stop at a failure)
@@ -115,6 +117,9 @@ def code_reward(prompts: list[str], completions: list[str], *, tests: list,
         rewards = [float(n == len(rows)) for n, rows in zip(passed, cases)]
     events = {name: sum(name in s for s in seen) for name in EVENTS}
     return Scored(rewards, {name: n for name, n in events.items() if n})
+
+
+code_reward.runs_model_code = True  # the config refuses it where the sandbox has no kernel isolation (configs.schema)
 
 
 def extract_code(completion: str) -> str | None:

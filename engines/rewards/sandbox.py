@@ -10,14 +10,18 @@ confines the process, and runs it as ``__main__``. The layers, in the order they
 
 * **Temp dir**: a fresh ``mkdtemp`` per run is the cwd, ``HOME`` and ``TMPDIR``; deleted afterwards
   with whatever the code wrote there.
-* **Namespaces** (root with ``CAP_SYS_ADMIN``): ``unshare(CLONE_NEWNET)``, a network with only a downed
+* **Namespaces** (root with ``CAP_SYS_ADMIN``, or an unprivileged user namespace, see ``isolation``):
+  ``unshare(CLONE_NEWNET)``, a network with only a downed
   loopback; ``unshare(CLONE_NEWNS)``, a private mount table in which every mount is read-only
   (``mount_setattr(AT_RECURSIVE, MOUNT_ATTR_RDONLY)``) and the temp dir is a fresh tmpfs of
   ``max_file_bytes`` in all, the one writable place. An interpreter under a directory other users cannot
   enter (``/root/.pyenv``, ``/root`` being 0700) is exposed by covering that directory with an empty tmpfs
   and bind-mounting the interpreter's prefix back: the child imports the standard library and sees
-  nothing else there. Without the capability the namespaces are skipped (the audit hook still blocks
-  sockets and writes), and an interpreter the sandbox uid cannot read is a ``SandboxError``.
+  nothing else there. Root without the capability skips them (the audit hook still blocks sockets and
+  writes), and an interpreter the sandbox uid cannot read is a ``SandboxError``. Not root, the child
+  first enters a user namespace of its own (``CLONE_NEWUSER``, our uid and gid mapped to themselves)
+  that owns the new network and mount namespaces, and drops the capabilities it had there (``capset``,
+  ``PR_SET_NO_NEW_PRIVS``) once they are set up; where the kernel refuses user namespaces, no namespaces.
 * **Resource limits**: ``RLIMIT_CPU`` = ``ceil(cpu_s)`` (SIGXCPU, SIGKILL one second later),
   ``RLIMIT_AS`` = ``memory_mb`` (big allocations raise ``MemoryError``; address space, not resident
   memory: a thread reserves an 8 MiB stack, so 256 MB allows about twenty), ``RLIMIT_FSIZE`` =
@@ -28,7 +32,7 @@ confines the process, and runs it as ``__main__``. The layers, in the order they
   ``RLIMIT_NPROC = max_processes`` counts this run's processes and threads only, and every process of
   the uid left after the run is SIGKILLed (``pidfd_send_signal``) without touching a concurrent run.
   Not root: our uid, ``RLIMIT_NPROC`` = (tasks the uid runs now) + ``max_processes``.
-* **Audit hook** (always; the only layer when not root): a blocked event writes ``sandbox: blocked
+* **Audit hook** (always; with the resource limits the only layer at isolation ``none``): a blocked event writes ``sandbox: blocked
   <event>`` to stderr and ends the process with ``VIOLATION_EXIT`` at once, so no ``except`` swallows
   it. Blocked (the lists are in ``_hook``): sockets other than ``AF_UNIX``, connect/bind/send/DNS;
   writes (``open`` with a write flag, ``os.remove``/``rename``/``mkdir``/``chmod``/...) outside the temp
@@ -51,7 +55,10 @@ Statuses: ``ok`` (exit 0); ``error`` (another exit: an exception, a syntax error
 Not covered: reads (the code reads what its uid may; only the interpreter's unreadable parent is
 hidden); ``os.mkfifo``/``os.mknod`` are unaudited, so without the read-only mounts an empty FIFO can be
 left in a world-writable directory; no PID namespace (``/proc`` lists the host's processes). CPython
-calls audit hooks no sandbox: the kernel layers are the boundary, and they need root. A call costs
+calls audit hooks no sandbox: the kernel layers are the boundary, and they need root or unprivileged
+user namespaces (``isolation()`` says which this process gets; ``run_python`` logs a warning once when
+it gets neither, and ``configs.schema`` refuses a ``code`` reward there unless
+``reward.allow_unsandboxed_code``). A call costs
 tens of milliseconds even for ``print(1)`` (interpreter start, namespaces, uid sweep).
 
 >>> run_python("print(sum(range(10)))").stdout
@@ -65,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import pathlib
@@ -75,8 +83,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engines.rewards import sandbox_uids as uids
 from engines.rewards.sandbox_uids import SandboxError
@@ -88,6 +98,8 @@ SETUP_EXIT = 116  # the bootstrap could not confine the process: run_python rais
 
 _MAX_OPEN_FILES = 64  # RLIMIT_NOFILE
 _ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,11 +142,20 @@ def run_python(
                          "max_file_bytes")
     if max_processes < 1:
         raise ValueError(f"max_processes={max_processes}: the process itself needs 1")
-    privileged = _privileged()
+    level = isolation().level
+    if level == "none":
+        _warn_no_isolation()
+    return _run_confined(code, level, stdin=stdin, wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb,
+                         max_output_bytes=max_output_bytes, max_file_bytes=max_file_bytes, max_processes=max_processes)
+
+
+def _run_confined(code: str, level: str, *, stdin: str, wall_s: float, cpu_s: float, memory_mb: int,
+                  max_output_bytes: int, max_file_bytes: int, max_processes: int) -> SandboxResult:
+    """``run_python`` with the kernel layers of ``level`` (``isolation``)."""
     root = os.path.realpath(tempfile.mkdtemp(prefix="rollflow-sandbox-"))
     uid = None
     try:
-        if privileged:
+        if level == "root":
             reveal = _hidden_prefix()
             if reveal and (root + "/").startswith(reveal[0] + "/"):
                 raise SandboxError(f"the sandbox temp dir {root} is inside {reveal[0]}, which the sandbox hides; "
@@ -149,8 +170,9 @@ def run_python(
         fd = os.open(os.path.join(root, solution), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with open(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(token + "\n" + code)  # the token proves a setup failure is the bootstrap's, not the code's
-        cfg = {"root": root, "solution": solution, "uid": uid, "reveal": reveal, "cpu": math.ceil(cpu_s),
-               "mem": memory_mb << 20, "fsize": max_file_bytes, "nofile": _MAX_OPEN_FILES, "nproc": nproc,
+        cfg = {"root": root, "solution": solution, "uid": uid, "userns": level == "userns", "reveal": reveal,
+               "cpu": math.ceil(cpu_s), "mem": memory_mb << 20, "fsize": max_file_bytes, "nofile": _MAX_OPEN_FILES,
+               "nproc": nproc,
                "codes": [VIOLATION_EXIT, MEMORY_EXIT, DISK_EXIT, SETUP_EXIT]}
         env = {"PATH": _ENV_PATH, "LANG": "C.UTF-8", "HOME": root, "TMPDIR": root, "PYTHONHASHSEED": "0",
                "PYTHONUTF8": "1", "MALLOC_ARENA_MAX": "2"}  # each glibc arena reserves 64 MiB of RLIMIT_AS
@@ -264,6 +286,51 @@ def _force_remove(func, path, exc_info) -> None:
 
 # ---- privileges ------------------------------------------------------------------------------------
 
+class Isolation(NamedTuple):
+    """The kernel layers ``run_python`` gets in this process (see the module docstring)."""
+
+    level: str
+    """``root``: a uid of its own, network and mount namespaces; ``userns``: network and mount namespaces
+    in an unprivileged user namespace, our own uid; ``none``: resource limits and the audit hook only."""
+    missing: str
+    """What a stronger level lacks here, one line ("" at ``root``)."""
+
+
+def isolation() -> Isolation:
+    """The isolation level of this process: ``root`` as root, else ``userns`` when an unprivileged user
+    namespace with its network and mount namespaces can be set up (tried once per process), else ``none``."""
+    if _privileged():
+        return Isolation("root", "")
+    refused = _userns_refused()
+    if refused:
+        return Isolation("none", f"not root (uid {os.getuid()}) and no unprivileged user namespace: {refused}")
+    return Isolation("userns", f"not root (uid {os.getuid()}): the code runs as this uid")
+
+
+@functools.lru_cache(maxsize=None)
+def _userns_refused() -> str | None:
+    """Why the ``userns`` layers cannot be set up here (the bootstrap's own failure), or None when they can."""
+    try:
+        result = _run_confined("pass", "userns", stdin="", wall_s=10.0, cpu_s=5.0, memory_mb=256,
+                               max_output_bytes=4096, max_file_bytes=4096, max_processes=4)
+    except (SandboxError, OSError) as exc:
+        return " ".join(str(exc).replace("sandbox setup failed: ", "").split())
+    return None if result.status == "ok" else f"a trial run ended {result.status}: {result.stderr.strip()[-200:]}"
+
+
+_warned: set[str] = set()  # what _warn_no_isolation said already (once per process)
+_warned_lock = threading.Lock()
+
+
+def _warn_no_isolation() -> None:
+    with _warned_lock:  # the code reward's threads start their first runs at once
+        if "none" in _warned:
+            return
+        _warned.add("none")
+    log.warning("code sandbox without kernel isolation (%s): model code runs under resource limits and the "
+                "audit hook only", isolation().missing)
+
+
 def _privileged() -> bool:
     """Whether runs get the root-only layers (own uid, namespaces); a function so tests can turn it off."""
     return os.geteuid() == 0
@@ -288,14 +355,14 @@ import os, sys
 def _confine(cfg):
     import json, resource
     cfg = json.loads(cfg)
-    root, uid = cfg["root"], cfg["uid"]
+    root, uid, userns = cfg["root"], cfg["uid"], cfg["userns"]
     violation_exit, memory_exit, disk_exit, setup_exit = cfg["codes"]
     path = os.path.join(root, cfg["solution"])
     with open(path, "rb") as f:
         token, _, source = f.read().partition(b"\n")
     os.unlink(path)
     os.umask(0o022)
-    if uid is not None:
+    if uid is not None or userns:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mount.argtypes = (ctypes.c_char_p,) * 3 + (ctypes.c_ulong, ctypes.c_char_p)
@@ -311,8 +378,21 @@ def _confine(cfg):
 
         MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = (
             1, 2, 4, 32, 4096, 8192, 16384, 1 << 18)
-        libc.unshare(0x40000000)  # CLONE_NEWNET; if refused, the audit hook still blocks sockets
-        private = libc.unshare(0x00020000) == 0 and mount(None, "/", None, MS_REC | MS_PRIVATE)  # CLONE_NEWNS
+        if userns:  # not root: a user namespace of our own (our uid and gid mapped to themselves) owns the others
+            if libc.unshare(0x10000000 | 0x40000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS
+                fail("unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS)")
+            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (os.getuid(), os.getuid())),
+                               ("gid_map", "%d %d 1" % (os.getgid(), os.getgid()))):
+                try:
+                    with open("/proc/self/" + name, "w") as f:
+                        f.write(text)
+                except OSError as exc:
+                    fail("writing /proc/self/" + name, exc.strerror)
+        else:
+            libc.unshare(0x40000000)  # CLONE_NEWNET; if refused, the audit hook still blocks sockets
+        private = (userns or libc.unshare(0x00020000) == 0) and mount(None, "/", None, MS_REC | MS_PRIVATE)  # NEWNS
+        if userns and not private:
+            fail("making the mount namespace private")
         if cfg["reveal"]:
             blocker, prefix = cfg["reveal"]
             if not private:
@@ -331,7 +411,8 @@ def _confine(cfg):
             # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, &attr, sizeof attr): every mount read-only
             if libc.syscall(442, -100, b"/", 0x8000, ctypes.byref(attr), ctypes.sizeof(attr)) != 0:
                 mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY)  # kernels before 5.12: "/" only
-            opts = "size=%d,nr_inodes=1024,mode=0700,uid=%d,gid=%d" % (cfg["fsize"], uid, uid)
+            owner = (uid, uid) if uid is not None else (os.getuid(), os.getgid())
+            opts = "size=%d,nr_inodes=1024,mode=0700,uid=%d,gid=%d" % ((cfg["fsize"],) + owner)
             if not mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, opts):
                 fail("mounting the temp dir")
             os.chdir(root)  # the cwd still pointed at the directory under the new mount
@@ -358,6 +439,11 @@ def _confine(cfg):
         if libc.prctl(38, 1, 0, 0, 0) != 0 or os.getresuid() != (uid,) * 3:  # PR_SET_NO_NEW_PRIVS
             fail("dropping privileges")
         libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, cleared by the uid change: /proc/self/fd is ours again
+    elif userns:  # drop the capabilities the user namespace gave (with them the code could undo the mounts)
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0 or libc.prctl(38, 1, 0, 0, 0) != 0:  # NO_NEW_PRIVS
+            fail("dropping capabilities")
+    if uid is not None or userns:
         del libc, fail, mount
         for name in [n for n in sys.modules if n in ("ctypes", "_ctypes") or n.startswith("ctypes.")]:
             del sys.modules[name]

@@ -341,8 +341,10 @@ def test_a_real_setup_failure_raises(monkeypatch):
         run_python("print(1)")
 
 
-def test_unprivileged_mode_keeps_the_uid_and_the_audit_hook(monkeypatch, tmp_path):
+def test_without_kernel_isolation_the_uid_and_the_audit_hook_stay(monkeypatch, tmp_path):
+    # isolation "none"; test_sandbox_isolation.py runs the "userns" level as a real non-root user
     monkeypatch.setattr(sandbox, "_privileged", lambda: False)
+    monkeypatch.setattr(sandbox, "_userns_refused", lambda: "refused for this test")
     result = run_python("import os\nprint(os.getuid())")
     assert (result.status, result.stdout.strip()) == ("ok", str(os.getuid()))
     assert run_python(f"open({str(tmp_path / 'x')!r}, 'w')").status == "violation"
