@@ -614,8 +614,12 @@ class Config(Section):
         """A reward that runs model-written code (``runs_model_code``) needs the sandbox's kernel isolation
         on this machine (engines.rewards.sandbox.isolation), or the explicit reward.allow_unsandboxed_code."""
         from engines.rewards import get_reward
+        from engines.rewards.format import parse_components
 
-        names = [d.reward for d in self.data.domains] or [self.reward.name]
+        names = []
+        for reward, options in [(d.reward, d.reward_options) for d in self.data.domains] or [(self.reward.name, {})]:
+            names += [reward] + ([name for name, _ in parse_components(options.get("components", ""))]
+                                 if reward == "weighted" else [])  # a weighted reward runs its components
         code = [name for name in names if getattr(get_reward(name), "runs_model_code", False)]
         if code and not self.reward.allow_unsandboxed_code:
             from engines.rewards.sandbox import isolation

@@ -152,6 +152,14 @@ def test_a_code_reward_without_isolation_is_refused_in_one_line(no_isolation, si
     Config.model_validate({"data": {"source": "domains", "domains": [{**CODE_DOMAIN, "reward": "math"}]}})  # not code
 
 
+def test_a_weighted_reward_with_a_code_component_is_refused_too(no_isolation):
+    weighted = {**CODE_DOMAIN, "reward": "weighted", "reward_options": {"components": "math:0.5,code:0.5"}}
+    with pytest.raises(ValueError, match="reward 'code' runs model-written code"):
+        Config.model_validate({"data": {"source": "domains", "domains": [weighted]}})
+    harmless = {**weighted, "reward_options": {"components": "math:0.5,think_answer_format:0.5"}}
+    Config.model_validate({"data": {"source": "domains", "domains": [harmless]}})
+
+
 def test_the_opt_in_lets_a_code_reward_run_without_isolation(no_isolation, caplog):
     assert Config.model_validate(code_config(allow_unsandboxed_code=True)).reward.allow_unsandboxed_code
     sandbox._warned.clear()
