@@ -68,10 +68,14 @@ def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, li
     return rewards, stats
 
 
-def summarize(stats: list[dict]) -> dict[str, float]:
+def summarize(stats: list[dict], every_round: list[dict] | None = None) -> dict[str, float]:
     """Metrics of a step from the ``score_rollouts`` stats of its chunks: overall ``reward/…``,
     ``response/…`` and, per domain, ``domain/<name>/{reward_mean,accuracy,response_length,<event>}``
-    (events such as ``timeout``, ``error``, ``violation`` are counts, 0 when none happened)."""
+    (events such as ``timeout``, ``error``, ``violation`` are counts, 0 when none happened).
+
+    With dynamic sampling ``stats`` are the first round's (an unfiltered sample of the policy) and
+    ``every_round`` the stats of all rounds: the work done, ``rollout/tokens``, ``perf/generate_compute_s``,
+    ``perf/score_compute_s`` and their ratio ``perf/tokens_per_s``, counts every round."""
     def block(items: list[dict]) -> dict[str, float]:
         n = sum(s["n"] for s in items)
         mean = sum(s["reward_sum"] for s in items) / max(n, 1)
@@ -87,9 +91,7 @@ def summarize(stats: list[dict]) -> dict[str, float]:
         "response/length_mean": overall["length"],
         "response/length_max": max((s["length_max"] for s in stats), default=0.0),
         "response/truncated_frac": sum(s["truncated"] for s in stats) / max(overall["n"], 1),
-        "rollout/tokens": sum(s["length_sum"] for s in stats),
-        "perf/generate_compute_s": sum(s["generate_s"] for s in stats),
-        "perf/score_compute_s": sum(s["score_s"] for s in stats),
+        **throughput(stats if every_round is None else every_round),
         "reward/failed": float(sum(s["failed"] for s in stats)),  # distinct samples the reward failed on
     }
     domains = sorted({s["domain"] for s in stats})
@@ -102,6 +104,14 @@ def summarize(stats: list[dict]) -> dict[str, float]:
             for event in sorted(set(COUNTED_EVENTS) | set(d["events"])):
                 metrics[prefix + event] = float(d["events"][event])
     return metrics
+
+
+def throughput(stats: list[dict]) -> dict[str, float]:
+    """Tokens generated, generation and scoring compute seconds, and tokens per generation second, over
+    the ``score_rollouts`` stats given."""
+    tokens, seconds = sum(s["length_sum"] for s in stats), sum(s["generate_s"] for s in stats)
+    return {"rollout/tokens": tokens, "perf/generate_compute_s": seconds,
+            "perf/score_compute_s": sum(s["score_s"] for s in stats), "perf/tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
 COUNTED_EVENTS = ("error", "timeout", "nan")

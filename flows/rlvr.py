@@ -248,8 +248,8 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState,
 
     With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts are
     drawn, up to ``max_rounds`` rounds; ``dynamic/fill_ratio`` is the share of the batch filled. Reward
-    metrics are those of the first round (an unfiltered sample of the policy); ``rollout/tokens`` and
-    ``perf/generate_compute_s`` count every round."""
+    metrics are those of the first round (an unfiltered sample of the policy); the work metrics
+    (``rollout/tokens``, ``perf/tokens_per_s``, …) count every round."""
     prompts_per_step, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     dynamic = cfg.algorithm.dynamic_sampling
     positions, metrics, rounds, prompts, columns = state.domain_positions, {}, [], [], []
@@ -261,11 +261,7 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState,
             scored = generate_and_score(engines.rollout, engines.reward_workers, quote(chunks), cfg.reward.async_scoring,
                                         keep_groups=(group, room) if dynamic.enabled else None)
         if round_index == 0:
-            metrics.update(summarize(scored.stats))
             reward_failures.update(step, failures_by_domain(scored.stats))  # warns; raises past reward.failure_patience
-        else:
-            metrics["rollout/tokens"] += sum(s["length_sum"] for s in scored.stats)
-            metrics["perf/generate_compute_s"] += sum(s["generate_s"] for s in scored.stats)
         rounds.append(scored)
         prompts.append([p for c in chunks for p in c.prompts])
         keys = sorted({k for c in chunks for k in c.columns})
@@ -274,6 +270,7 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState,
         room -= len(scored.kept_rows or []) // group
         if room == 0 or not dynamic.enabled:
             break
+    metrics.update(summarize(rounds[0].stats, [s for r in rounds for s in r.stats]))
     if dynamic.enabled:
         kept_groups = prompts_per_step - room
         metrics["dynamic/fill_ratio"] = kept_groups / prompts_per_step
@@ -324,7 +321,6 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
                                          target_kl=alg.kl.target, horizon=alg.kl.horizon,
                                          num_samples=len(scored.group_ids))
         metrics["kl/coef"] = state.kl_coef
-    metrics["perf/tokens_per_s"] = metrics["rollout/tokens"] / max(metrics["perf/generate_compute_s"], 1e-9)
     state.step, state.domain_positions, state.reward_moments = step, scored.positions, moments
     state.reward_failures = reward_failures.state()
     return scored, metrics

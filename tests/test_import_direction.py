@@ -33,3 +33,18 @@ def test_importing_every_engine_module_loads_neither_prefect_nor_mlflow():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_flows_do_no_tensor_work_and_fetch_no_batches():
+    """The flow is the recipe: tensors live in engines and move between actors; flows/ neither imports
+    torch nor fetches or stores objects with Ray (ray.get / ray.put / ray.wait happen inside tasks)."""
+    offenders = []
+    for path in (ROOT / "flows").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                offenders += [f"{path.relative_to(ROOT)}: import {n}" for n in names if n.split(".")[0] == "torch"]
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ray"
+                    and node.attr in ("get", "put", "wait")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: ray.{node.attr}")
+    assert offenders == []

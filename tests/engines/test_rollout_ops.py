@@ -149,3 +149,18 @@ def test_reward_failed_counts_the_runner_s_failures_not_the_reward_s_own_events(
     # events merge the runner's failures with the reward's own (a code sample's error): 6 events, 1 failure
     metrics = summarize(stats)
     assert metrics["reward/failed"] == 1.0 and metrics["domain/a/error"] == 3.0
+
+
+def test_throughput_counts_every_dynamic_sampling_round_and_rewards_only_the_first():
+    from engines.rollout_ops import summarize
+
+    base = {"n": 4, "reward_sq_sum": 1.0, "correct": 1, "length_max": 2.0, "truncated": 0, "score_s": 0.5,
+            "reward": "math", "distinct": 4, "domain": "default", "events": {}, "failed": 0, "first_failure": None}
+    first = [{**base, "reward_sum": 1.0, "length_sum": 8.0, "generate_s": 2.0}]
+    refill = [{**base, "reward_sum": 3.0, "length_sum": 24.0, "generate_s": 6.0}]
+    metrics = summarize(first, first + refill)
+    # reward metrics: the first round alone (1 of 4); work: both rounds, 32 tokens in 8 s of generation
+    assert metrics["reward/mean"] == 0.25
+    assert (metrics["rollout/tokens"], metrics["perf/generate_compute_s"], metrics["perf/score_compute_s"]) == (32.0, 8.0, 1.0)
+    assert metrics["perf/tokens_per_s"] == 4.0
+    assert summarize(first)["perf/tokens_per_s"] == 4.0  # one round: its own tokens and time
