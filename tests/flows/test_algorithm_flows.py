@@ -4,7 +4,6 @@ resumed bit-identically; DAPO's dynamic sampling refills batches across Ray acto
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -30,15 +29,16 @@ def test_ppo_critic_is_checkpointed_and_resumed(tmp_path, ray_cluster, prefect_s
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_flow(_ppo(straight, 4))
-    first_leg = run_flow(_ppo(resumed, 2))  # stops after the step-2 checkpoint…
-    shutil.rmtree(resumed / "final")  # …as if it had been killed there; the same run, now to step 4
-    result = run_flow(_ppo(resumed, 4))
+    first_leg = run_flow(_ppo(resumed, 2))  # finishes at step 2; raising train.steps continues it from
+    result = run_flow(_ppo(resumed, 4))  # the step-2 checkpoint, as a run killed there resumes
 
     for role in ("policy", "critic"):
         a = load_file(straight / "checkpoints" / "step_000004" / role / "model.safetensors")
         b = load_file(resumed / "checkpoints" / "step_000004" / role / "model.safetensors")
         assert a.keys() == b.keys()
         assert all((a[k] == b[k]).all() for k in a), role  # resume restored the critic and its optimizer exactly
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert all((a[k] == b[k]).all() for k in a)  # the extended run's final model is the uninterrupted run's
     critic_start = load_file(resumed / "checkpoints" / "step_000002" / "critic" / "model.safetensors")
     assert any(not (critic_start[k] == b[k]).all() for k in b)  # and it kept training after the resume
     state = json.loads((resumed / "final" / "state.json").read_text())
