@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     from engines.actors import run_actor_names, start_engine
     from engines.data.prompts import load_prompt_rows
     from engines.models import TinyModelSpec, build_tiny_model
-    from engines.rollout_ops import ScoreSpec
+    from engines.scoring import ScoreSpec
     from engines.types import SamplingParams
     from tasks.score import Chunk, generate_and_score
 
@@ -67,10 +67,10 @@ def main(argv: list[str]) -> None:
     for step in range(1, steps + 1):
         for overlap in (False, True):
             start = time.perf_counter()
-            results = generate_and_score.fn(rollout, workers, chunks_for(step), overlap)
+            scored = generate_and_score.fn(rollout, workers, chunks_for(step), overlap)
             times[overlap].append(time.perf_counter() - start)
-        gen = sum(r[2]["generate_s"] for r in results)
-        score = sum(r[2]["score_s"] for r in results)
+        gen = sum(s["generate_s"] for s in scored.stats)
+        score = sum(s["score_s"] for s in scored.stats)
         print(f"step {step}: sync {times[False][-1]:.2f}s  async {times[True][-1]:.2f}s  "
               f"(generate compute {gen:.2f}s, score compute {score:.2f}s)", flush=True)
     sync, overlapped = statistics.median(times[False]), statistics.median(times[True])

@@ -313,7 +313,7 @@ def train_packing() -> dict:
 
     from engines.algorithms.objective import PolicyObjective
     from engines.inference.hf import HFInferenceEngine
-    from engines.rollout_ops import AdvantageSpec, advantage_batch
+    from engines.batches import AdvantageSpec, advantage_batch
     from engines.training.torch import OptimSpec, TorchTrainEngine
     from engines.types import SamplingParams
 

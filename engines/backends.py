@@ -16,7 +16,7 @@ BACKENDS: dict[str, dict[str, str]] = {
     "rollout": {"hf": "engines.inference.hf:HFInferenceEngine"},
     "train": {"torch": "engines.training.torch:TorchTrainEngine"},
     "reference": {"torch": "engines.training.torch:ReferenceEngine"},
-    "reward": {"worker": "engines.rollout_ops:RewardWorker"},
+    "reward": {"worker": "engines.reward_worker:RewardWorker"},
 }
 """Role -> short name -> ``package.module:Class``. A role's short names are what its config key accepts."""
 

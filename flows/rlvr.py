@@ -38,7 +38,8 @@ from engines.algorithms.advantages import GROUP_ESTIMATORS
 from engines.algorithms.shaping import RunningMoments, ShapingSpec
 from engines.data.domains import draw
 from engines.rewards.failures import RewardFailureMonitor, failures_by_domain
-from engines.rollout_ops import AdvantageSpec, ScoreSpec, summarize
+from engines.batches import AdvantageSpec
+from engines.scoring import ScoreSpec, summarize
 from engines.training.torch import OptimSpec
 from engines.training.updates import UpdateSpec
 from engines.types import SamplingParams

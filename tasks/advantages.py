@@ -4,7 +4,7 @@ import ray
 from prefect import task
 
 from engines.algorithms.shaping import RunningMoments
-from engines.rollout_ops import AdvantageSpec
+from engines.batches import AdvantageSpec
 from tasks.common import TASK_DEFAULTS
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import ray
 from prefect import task
 
-from engines.rollout_ops import ScoreSpec
+from engines.scoring import ScoreSpec
 from engines.types import SamplingParams
 from tasks.common import TASK_DEFAULTS
 

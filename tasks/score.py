@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import ray
 from prefect import task
 
-from engines.rollout_ops import ScoreSpec
+from engines.scoring import ScoreSpec
 from engines.types import SamplingParams
 from tasks.common import TASK_DEFAULTS
 

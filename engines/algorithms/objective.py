@@ -28,7 +28,7 @@ class PolicyObjective:
 
     Reads ``advantages``, ``old_logprobs`` and ``rollout_logprobs`` (and ``ref_logprobs`` when
     ``kl_coef > 0``) from the batch. ``kl_coef`` is the KL *loss* term; a KL in the reward is applied
-    before the estimator (``rollout_ops.advantage_batch``) and leaves ``kl_coef`` at 0 here.
+    before the estimator (``engines.batches.advantage_batch``) and leaves ``kl_coef`` at 0 here.
     ``agg_options`` go to the aggregation of every term (e.g. Dr.GRPO's constant ``norm``).
     """
 

@@ -1,6 +1,6 @@
 """Reward and advantage shaping: pure functions applied between scoring and the policy loss.
 
-Order inside ``rollout_ops.advantage_batch`` (each step optional, all configured under
+Order inside ``engines.batches.advantage_batch`` (each step optional, all configured under
 ``algorithm.shaping``)::
 
     r_i  = reward_i + overlong_penalty(|y_i|) + length_penalty(|y_i|)   # [B] sequence rewards

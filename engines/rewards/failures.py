@@ -49,7 +49,7 @@ class DomainFailures:
 
 
 def failures_by_domain(stats: list[dict]) -> dict[str, DomainFailures]:
-    """Per domain, the sums over the ``engines.rollout_ops.score_rollouts`` stats of one step (keys
+    """Per domain, the sums over the ``engines.scoring.score_rollouts`` stats of one step (keys
     ``domain``, ``reward``, ``distinct``, ``failed``, ``first_failure``); the first failure is that of
     the first call in ``stats`` order that had one."""
     out: dict[str, DomainFailures] = {}

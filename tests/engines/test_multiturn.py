@@ -10,7 +10,7 @@ import torch
 
 from engines.algorithms import advantages
 from engines.algorithms.advantages import discounted_returns, outcome_token_rewards
-from engines.rollout_ops import AdvantageSpec, advantage_batch, concat_rollouts
+from engines.batches import AdvantageSpec, advantage_batch, concat_rollouts
 from engines.types import Rollouts, build_train_batch
 
 

@@ -12,7 +12,7 @@ import torch
 import engines.rewards.failures as failures_module
 from engines.rewards import REWARDS
 from engines.rewards.failures import DomainFailures, RewardFailureError, RewardFailureMonitor, failures_by_domain
-from engines.rollout_ops import ScoreSpec, score_rollouts, summarize
+from engines.scoring import ScoreSpec, score_rollouts, summarize
 from engines.types import Rollouts
 
 BAD = {"code": DomainFailures("code", samples=8, failed=5, first="KeyError: 'tests'")}  # 5/8 = 0.625 > 0.5

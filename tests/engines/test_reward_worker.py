@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engines.algorithms.shaping import RunningMoments, ShapingSpec
-from engines.rollout_ops import AdvantageSpec, advantage_batch, concat_rollouts, outcome_token_rewards
+from engines.batches import AdvantageSpec, advantage_batch, concat_rollouts, outcome_token_rewards
 from engines.types import Rollouts
 
 
@@ -108,7 +108,7 @@ def test_concat_rollouts_takes_the_kept_rows_in_order():
 
 def test_identical_samples_are_scored_once_and_every_row_gets_its_reward():
     from engines.rewards import REWARDS
-    from engines.rollout_ops import ScoreSpec, score_rollouts
+    from engines.scoring import ScoreSpec, score_rollouts
 
     seen: list[tuple[str, str, str]] = []
 
@@ -131,7 +131,7 @@ def test_identical_samples_are_scored_once_and_every_row_gets_its_reward():
 
 
 def test_reward_worker_warms_up_the_rewards_it_is_given():
-    from engines.rollout_ops import RewardWorker
+    from engines.reward_worker import RewardWorker
 
     assert RewardWorker(rewards=("think_answer_format", "math")).warmed == ["math"]
     assert RewardWorker().warmed == []
@@ -140,7 +140,7 @@ def test_reward_worker_warms_up_the_rewards_it_is_given():
 
 
 def test_reward_failed_counts_the_runner_s_failures_not_the_reward_s_own_events():
-    from engines.rollout_ops import summarize
+    from engines.scoring import summarize
 
     base = {"n": 4, "reward_sum": 1.0, "reward_sq_sum": 1.0, "correct": 1, "length_sum": 8.0, "length_max": 2.0,
             "truncated": 0, "generate_s": 0.0, "score_s": 0.0, "reward": "code", "distinct": 4}
@@ -152,7 +152,7 @@ def test_reward_failed_counts_the_runner_s_failures_not_the_reward_s_own_events(
 
 
 def test_throughput_counts_every_dynamic_sampling_round_and_rewards_only_the_first():
-    from engines.rollout_ops import summarize
+    from engines.scoring import summarize
 
     base = {"n": 4, "reward_sq_sum": 1.0, "correct": 1, "length_max": 2.0, "truncated": 0, "score_s": 0.5,
             "reward": "math", "distinct": 4, "domain": "default", "events": {}, "failed": 0, "first_failure": None}

@@ -1,0 +1,95 @@
+"""Train batches from scored rollouts: reward shaping, KL in the reward, the advantage estimator and the
+``TrainBatch`` the training engine takes; and joining the rows of several generation calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.algorithms import advantages, kl
+from engines.algorithms.advantages import outcome_token_rewards
+from engines.algorithms.shaping import RunningMoments, ShapingSpec, shape_advantages, shape_sequence_rewards
+from engines.types import Rollouts, build_train_batch
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """Which estimator to run with which options, the shaping around it, and how KL enters.
+
+    ``pad_token_id`` pads the train batch; ``kl_in_reward`` subtracts ``kl_coef * KL_t`` from the token
+    rewards (KL measured between the policy's old logprobs and the reference's)."""
+
+    estimator: str
+    pad_token_id: int
+    options: dict = field(default_factory=dict)
+    shaping: ShapingSpec = ShapingSpec()
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+
+
+def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor, spec: AdvantageSpec, *,
+                    ref_logprobs: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
+                    values: torch.Tensor | None = None, kl_coef: float = 0.0,
+                    moments: RunningMoments | None = None):
+    """Shape rewards, run the estimator, build the TrainBatch; returns ``(batch, summary, moments)``.
+
+    The batch carries ``advantages``, ``returns``, ``old_logprobs`` (the trainer's when given, else the
+    rollout engine's), ``rollout_logprobs``, and ``ref_logprobs`` / ``values`` when given. ``moments``
+    are the running reward statistics, updated when ``shaping.reward_norm == "running"``.
+    """
+    batch = build_train_batch(rollouts, spec.pad_token_id)
+    width, mask = batch.input_ids.shape[1], batch.loss_mask  # [B, L]
+    old = old_logprobs[:, :width] if old_logprobs is not None else batch.tensors["rollout_logprobs"]
+    shaped, moments = shape_sequence_rewards(rewards, rollouts.response_lengths, group_ids, spec.shaping, moments)
+    token_rewards = outcome_token_rewards(shaped, mask)
+    tensors = {"old_logprobs": old}
+    summary = {"reward/shaped_mean": float(shaped.mean())}
+    if ref_logprobs is not None:
+        tensors["ref_logprobs"] = ref_logprobs[:, :width]
+        kl_tok = kl.compute(spec.kl_estimator, logprobs=old, ref_logprobs=tensors["ref_logprobs"]) * mask  # [B, L]
+        summary["kl/seq_mean"] = float(kl_tok.sum(-1).mean())
+        summary["kl/token_mean"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
+        if spec.kl_in_reward:
+            token_rewards = token_rewards - kl_coef * kl_tok
+            summary["kl/coef"] = kl_coef
+    if values is not None:
+        tensors["values"] = values[:, :width] * mask
+    adv, returns = advantages.compute(spec.estimator, token_rewards=token_rewards, loss_mask=mask, group_ids=group_ids,
+                                      values=tensors.get("values"), outcome_rewards=shaped, **spec.options)
+    adv = shape_advantages(adv, mask, spec.shaping)
+    if spec.shaping.overlong_filter:  # DAPO: truncated samples carry no learning signal, drop them from the loss
+        kept = torch.tensor([reason != "length" for reason in rollouts.finish_reasons], dtype=mask.dtype, device=mask.device)
+        mask = mask * kept.unsqueeze(-1)
+        summary["shaping/overlong_filtered_frac"] = 1.0 - float(kept.mean())
+    batch = dataclasses.replace(batch, loss_mask=mask, group_ids=group_ids,
+                                tensors={**batch.tensors, **tensors, "advantages": adv * mask, "returns": returns * mask})
+    is_response = mask.bool()
+    summary["advantage/mean"] = float(adv[is_response].mean()) if is_response.any() else 0.0
+    summary["advantage/abs_mean"] = float(adv[is_response].abs().mean()) if is_response.any() else 0.0
+    summary["advantage/returns_mean"] = float(returns[is_response].mean()) if is_response.any() else 0.0
+    return batch, summary, moments
+
+
+def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
+    """Rows ``rows[k]`` of ``parts[k]``, concatenated in order (dynamic sampling's refilled batch).
+
+    The multi-turn masks stay ``None`` when every part has none; else a part without them gets its defaults."""
+    width = max(part.response_ids.shape[1] for part in parts)
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+    pick = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
+    multi_turn = any(part.response_loss_mask is not None or part.response_turn_index is not None for part in parts)
+    joined = lambda per_part: torch.cat([pad(per_part(part))[idx] for part, idx in zip(parts, rows)])  # noqa: E731
+    return Rollouts(
+        prompt_ids=[p for part, idx in zip(parts, rows) for p in pick(part.prompt_ids, idx)],
+        response_ids=torch.cat([pad(part.response_ids)[idx] for part, idx in zip(parts, rows)]),
+        logprobs=torch.cat([pad(part.logprobs)[idx] for part, idx in zip(parts, rows)]),
+        response_lengths=torch.cat([part.response_lengths[idx] for part, idx in zip(parts, rows)]),
+        finish_reasons=[r for part, idx in zip(parts, rows) for r in pick(part.finish_reasons, idx)],
+        completions=[c for part, idx in zip(parts, rows) for c in pick(part.completions, idx)],
+        weights_version=parts[0].weights_version,
+        compute_seconds=sum(part.compute_seconds for part in parts),
+        response_loss_mask=joined(Rollouts.model_token_mask) if multi_turn else None,
+        response_turn_index=joined(Rollouts.turn_index) if multi_turn else None,
+    )
