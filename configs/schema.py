@@ -7,28 +7,18 @@ keys, wrong types and bad values are rejected at load (``configs.loader``) befor
 from __future__ import annotations
 
 import difflib
-import inspect
 import json
-import os
-import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from configs.checks import (CheckError, backend, check_data_files, check_option_values, check_options,
+                            keyword_options)
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class CheckError(ValueError):
-    """A validator's error about particular fields: ``keys`` are their dotted paths relative to the section
-    that checks them, the one to change first. The loader names the first key and, as the source, an
-    override that set one of them (else the file)."""
-
-    def __init__(self, keys: tuple[str, ...], message: str) -> None:
-        super().__init__(message)
-        self.keys = keys
 
 
 class RunConfig(Section):
@@ -152,11 +142,11 @@ class DomainConfig(Section):
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"domain {self.name!r}: unknown reward {self.reward!r}; {hint}registered: "
                              f"{', '.join(reward_names())}")
-        _check_options(_keyword_options(get_reward(self.reward), set()), self.reward, self.reward_options, "reward")
-        _check_option_values(get_reward(self.reward), self.reward, self.reward_options, "reward", "reward_options")
+        check_options(keyword_options(get_reward(self.reward), set()), self.reward, self.reward_options, "reward")
+        check_option_values(get_reward(self.reward), self.reward, self.reward_options, "reward", "reward_options")
         if self.source == "files" and not (self.train_path and self.heldout_path):
             raise ValueError(f"domain {self.name!r} needs train_path and heldout_path (or source: arithmetic)")
-        _check_data_files(self, f"domain {self.name!r}: ")
+        check_data_files(self, f"domain {self.name!r}: ")
         return self
 
 
@@ -182,24 +172,13 @@ class DataConfig(Section):
     def _paths_for_files(self):
         if self.source == "files" and not (self.train_path and self.heldout_path):
             raise ValueError("source 'files' needs data.train_path and data.heldout_path")
-        _check_data_files(self, "")
+        check_data_files(self, "")
         if (self.source == "domains") != bool(self.domains):
             raise ValueError("data.domains is used exactly when data.source is 'domains'")
         names = [d.name for d in self.domains]
         if len(set(names)) != len(names):
             raise ValueError(f"data.domains has a repeated name: {names}")
         return self
-
-
-def _check_data_files(section: DataConfig | DomainConfig, what: str) -> None:
-    """The local data files of a ``files`` source must exist; remote URIs (s3://, …) are read at run time."""
-    if section.source != "files":
-        return
-    for key in ("train_path", "heldout_path"):
-        path = getattr(section, key)
-        if "://" not in path and not os.path.exists(path):
-            where = "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
-            raise CheckError((key,), f"{what}no such file or folder {path!r}{where}; fix the path")
 
 
 class RewardConfig(Section):
@@ -239,14 +218,6 @@ class RewardConfig(Section):
         return self
 
 
-def _backend(role: str, name: str) -> str:
-    """``name`` if it is a registered ``role`` backend or a well-formed dotted path; nothing is imported."""
-    from engines.backends import check_backend
-
-    check_backend(role, name)
-    return name
-
-
 class RolloutConfig(Section):
     engine: str = "hf"
     """Inference backend: a registered name (engines.backends: hf) or a class by dotted path, package.module:Class
@@ -255,7 +226,7 @@ class RolloutConfig(Section):
     @field_validator("engine")
     @classmethod
     def _engine(cls, name: str) -> str:
-        return _backend("rollout", name)
+        return backend("rollout", name)
 
     prompts_per_step: int = Field(8, gt=0)
     """Prompts drawn per RL step."""
@@ -271,34 +242,6 @@ class RolloutConfig(Section):
     """Keep the k most likely tokens; 0 disables."""
     stop: list[str] = []
     """Extra single-token stop strings besides EOS."""
-
-
-def _check_options(allowed: set[str], name: str, options: dict, what: str) -> None:
-    """Reject option names the registered function does not take (they would be silently ignored)."""
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], allowed, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"options: {', '.join(sorted(allowed)) or 'none'}"
-        raise ValueError(f"{what} {name!r} has no option {unknown[0]!r}; {hint}")
-
-
-def _check_option_values(fn, name: str, options: dict, what: str, key: str) -> None:
-    """Reject an option value that the annotation of its keyword parameter does not allow (checked strictly:
-    a str is no bool, a float no int); a ``Literal`` annotation lists the allowed values."""
-    hints = typing.get_type_hints(fn)
-    for option, value in options.items():
-        hint = hints.get(option, typing.Any)
-        try:
-            TypeAdapter(hint).validate_python(value, strict=True)
-        except ValidationError:
-            allowed = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
-            want = f"one of {', '.join(map(repr, allowed))}" if allowed else f"of type {getattr(hint, '__name__', hint)}"
-            raise CheckError((f"{key}.{option}",), f"{what} {name!r}: {option} must be {want}; got {value!r}") from None
-
-
-def _keyword_options(fn, exclude: set[str]) -> set[str]:
-    params = inspect.signature(fn).parameters.values()
-    return {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty} - exclude
 
 
 class OptimConfig(Section):
@@ -442,9 +385,9 @@ class AlgorithmConfig(Section):
                 close = difflib.get_close_matches(name, module.names(), n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 raise ValueError(f"unknown {what} {name!r}; {hint}registered: {', '.join(module.names())}")
-        _check_options(_keyword_options(advantages.ADV_ESTIMATORS.get(self.advantage), {"values"}), self.advantage,
+        check_options(keyword_options(advantages.ADV_ESTIMATORS.get(self.advantage), {"values"}), self.advantage,
                        self.advantage_options, "advantage estimator")
-        _check_options(losses.option_names(self.policy_loss) - {"agg_options"}, self.policy_loss, self.loss_options,
+        check_options(losses.option_names(self.policy_loss) - {"agg_options"}, self.policy_loss, self.loss_options,
                        "policy loss")
         if self.loss_options.get("tis_cap") and self.old_logprobs == "rollout":
             raise ValueError("loss_options.tis_cap corrects the trainer/rollout mismatch, but with old_logprobs 'rollout' "
@@ -468,7 +411,7 @@ class TrainConfig(Section):
     @field_validator("engine")
     @classmethod
     def _engine(cls, name: str) -> str:
-        return _backend("train", name)
+        return backend("train", name)
 
     steps: int = Field(20, gt=0)
     """RL steps: rollout batches, each trained with ppo_epochs × mini_batches optimizer steps."""

@@ -67,13 +67,13 @@ def test_the_second_domain_is_named_by_index(tmp_path):
 def test_every_reward_option_default_fits_its_annotation(name):
     # The check reads the annotations: each must resolve, and each option's own default must pass it
     # (a Literal that forgot the default would reject a config spelling the default out).
-    from configs.schema import _check_option_values, _keyword_options
+    from configs.checks import check_option_values, keyword_options
 
     fn = get_reward(name)
     typing.get_type_hints(fn)
     defaults = {p.name: p.default for p in inspect.signature(fn).parameters.values()
-                if p.name in _keyword_options(fn, set()) and isinstance(p.default, (bool, int, float, str))}
-    _check_option_values(fn, name, defaults, "reward", "reward_options")
+                if p.name in keyword_options(fn, set()) and isinstance(p.default, (bool, int, float, str))}
+    check_option_values(fn, name, defaults, "reward", "reward_options")
 
 
 # 2. KL as a reward penalty must be k1.
