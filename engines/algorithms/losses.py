@@ -220,7 +220,8 @@ def topr(
     Use with the ``topr`` advantage (signed, separately weighted returns).
 
     Metrics: ``actor/negative_frac`` (share of rows with ``A < 0``), ``actor/negative_weight_mean``,
-    ``actor/clipfrac`` (share of rows whose ratio the truncation cuts: ``A_i < 0`` and ``rho_i > 1``), and
+    ``actor/truncated_frac`` (share of rows whose ratio the truncation cuts: ``A_i < 0`` and ``rho_i > 1``;
+    with old logprobs from the rollout engine, float noise alone puts ``rho_i`` either side of 1), and
     ``ratio_metrics`` with the sequence ratios ``rho_i``.
     """
     log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)
@@ -233,7 +234,7 @@ def topr(
         metrics = {
             "actor/negative_frac": float(negative.float().mean()),
             "actor/negative_weight_mean": float(weights[negative].mean()) if negative.any() else 1.0,
-            "actor/clipfrac": float((negative & (seq_log_ratio > 0)).float().mean()),
+            "actor/truncated_frac": float((negative & (seq_log_ratio > 0)).float().mean()),
             **ratio_metrics(log_ratio, loss_mask, seq_log_ratio=seq_log_ratio),
         }
     return pg_losses, metrics

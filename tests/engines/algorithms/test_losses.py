@@ -389,8 +389,8 @@ def test_topr_loss_hand_worked():
     assert metrics["actor/negative_frac"] == pytest.approx(2 / 3)
     assert metrics["actor/negative_weight_mean"] == pytest.approx(0.75, rel=1e-12)
     # Sequence log-ratios: row 0: 0.5 + 0.5 = 1; row 1: -ln 2; row 2: 0.2 + 0 + 0.2 = 0.4. Of the negative
-    # rows (1, 2) only row 2's ratio e^0.4 > 1 is truncated: clipfrac 1/3 of the rows.
-    assert metrics["actor/clipfrac"] == pytest.approx(1 / 3)
+    # rows (1, 2) only row 2's ratio e^0.4 > 1 is truncated: 1/3 of the rows.
+    assert metrics["actor/truncated_frac"] == pytest.approx(1 / 3)
     assert (metrics["actor/ratio_max"], metrics["actor/ratio_min"]) == pytest.approx((math.e, 0.5), rel=1e-12)
     # approx_kl: 0.5 * (0.25 + 0.25 + ln(2)^2 + 0 + 0.04 + 0 + 0.04) / 7 response tokens
     assert metrics["actor/approx_kl"] == pytest.approx(0.5 * (0.58 + math.log(2) ** 2) / 7, rel=1e-6)
