@@ -89,7 +89,7 @@ class PolicyObjective:
         if bool(moving.all()):
             return None
         rows = moving.nonzero().squeeze(-1)
-        return rows if len(rows) else torch.zeros(1, dtype=torch.long)
+        return rows if len(rows) else torch.zeros(1, dtype=torch.long, device=rows.device)
 
 
 @dataclass(frozen=True)

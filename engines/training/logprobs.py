@@ -137,7 +137,7 @@ def _allowed_attention(segment_of: torch.Tensor, branch: torch.Tensor) -> torch.
     same = segment_of[:, :, None] == segment_of[:, None, :]
     visible = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
     pad_tail = (segment_of == 0)[:, :, None] & (segment_of == 0)[:, None, :]
-    return (same & visible | pad_tail) & torch.ones(width, width, dtype=torch.bool).tril()
+    return (same & visible | pad_tail) & torch.ones(width, width, dtype=torch.bool, device=segment_of.device).tril()
 
 
 def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed: torch.Tensor,
@@ -166,31 +166,32 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed
         for i in rows:
             row_of[i], prefix_of[i], start_of[i], own_start_of[i], segment_id[i] = row, prefix, offset, cursor, s + 1
             cursor += lengths[i] - prefix
-    columns = torch.arange(max_len)
-    prefix_len = torch.tensor(prefix_of)[:, None]  # [B, 1]
+    device = input_ids.device  # every index and mask is built where the model runs
+    columns = torch.arange(max_len, device=device)
+    prefix_len = torch.tensor(prefix_of, device=device)[:, None]  # [B, 1]
     in_prefix = columns < prefix_len  # [B, L]
-    is_token = columns < torch.tensor(lengths)[:, None]  # [B, L]
-    packed_row = torch.tensor(row_of)  # [B]
-    packed_col = torch.where(in_prefix, torch.tensor(start_of)[:, None] + columns,  # [B, L]; 0 past each row's end
-                             torch.tensor(own_start_of)[:, None] + columns - prefix_len) * is_token
+    is_token = columns < torch.tensor(lengths, device=device)[:, None]  # [B, L]
+    packed_row = torch.tensor(row_of, device=device)  # [B]
+    packed_col = torch.where(in_prefix, torch.tensor(start_of, device=device)[:, None] + columns,  # [B, L]; 0 past each row's end
+                             torch.tensor(own_start_of, device=device)[:, None] + columns - prefix_len) * is_token
     token_rows, token_cols = is_token.nonzero(as_tuple=True)
     at = (packed_row[token_rows], packed_col[token_rows, token_cols])
-    packed_ids = torch.full((len(free), width), pad_token_id, dtype=torch.long)
-    positions = torch.zeros((len(free), width), dtype=torch.long)
-    branch = torch.zeros((len(free), width), dtype=torch.long)  # 0: shared prefix or pad tail; i + 1: row i's own
-    segment_of = torch.zeros((len(free), width), dtype=torch.long)  # segment id + 1; pad tails stay 0
+    packed_ids = torch.full((len(free), width), pad_token_id, dtype=torch.long, device=device)
+    positions = torch.zeros((len(free), width), dtype=torch.long, device=device)
+    branch = torch.zeros((len(free), width), dtype=torch.long, device=device)  # 0: shared prefix or pad tail; i + 1: row i's own
+    segment_of = torch.zeros((len(free), width), dtype=torch.long, device=device)  # segment id + 1; pad tails stay 0
     packed_ids[at] = input_ids[token_rows, token_cols]  # a shared prefix is written once per row, the same tokens
     positions[at] = token_cols
     branch[at] = torch.where(in_prefix[token_rows, token_cols], 0, token_rows + 1)
-    segment_of[at] = torch.tensor(segment_id)[token_rows]
-    used = torch.tensor([width - room for room in free])[:, None]  # [R, 1]
-    tail_columns = torch.arange(width) - used  # [R, W]; the pad tail is a sequence of its own
+    segment_of[at] = torch.tensor(segment_id, device=device)[token_rows]
+    used = torch.tensor([width - room for room in free], device=device)[:, None]  # [R, 1]
+    tail_columns = torch.arange(width, device=device) - used  # [R, W]; the pad tail is a sequence of its own
     positions = torch.where(tail_columns >= 0, tail_columns, positions)
     rows, cols = needed.nonzero(as_tuple=True)
     mask = None
     if any(len(rows_) > 1 for _, rows_ in segments):
         allowed = _allowed_attention(segment_of, branch)
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
     return PackedSequences(packed_ids, positions, (packed_row[rows], packed_col[rows, cols - 1]), (rows, cols),
                            input_ids[rows, cols], mask)
 
@@ -270,7 +271,7 @@ def batched_values(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: 
 
 
 def _batched(forward, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
     start = 0
     for micro in batch.micro_batches(micro_batch_size):
         values = forward(micro)

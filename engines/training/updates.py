@@ -49,7 +49,7 @@ def mini_batch_rows(num_rows: int, group_ids: torch.Tensor | None, spec: UpdateS
     if spec.mini_batches == 1:
         return [None]
     if spec.keep_groups and group_ids is not None:
-        _, units = torch.unique(group_ids, return_inverse=True)  # [B] unit of each row
+        _, units = torch.unique(group_ids.cpu(), return_inverse=True)  # [B] unit of each row (indices stay on CPU)
     else:
         units = torch.arange(num_rows)
     num_units = int(units.max()) + 1
