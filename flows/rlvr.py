@@ -119,11 +119,10 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
                      stop_token_ids(tokenizer, config.rollout.stop))
 
 
-
 def optimizer_steps(config: Config, role: str) -> int:
     """Optimizer steps of the whole run for ``role`` (policy or critic): what its LR schedule spans."""
-    source = config.train if role == "policy" else config.algorithm.critic
-    return config.train.steps * source.mini_batches * source.ppo_epochs
+    inner_loop = update_spec(config, 0, role)
+    return config.train.steps * inner_loop.mini_batches * inner_loop.epochs
 
 
 def judge_model_path(domains: list, model_path: str) -> str | None:
