@@ -8,6 +8,8 @@ so every later stage loads them by path exactly like a hub model.
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -82,6 +84,34 @@ def set_torch_threads(threads: int = 0) -> int:
     return threads
 
 
+_warned_no_cuda = False
+
+
+def engine_device() -> torch.device:
+    """Where this engine puts its model and tensors: ``cuda:0`` when Ray assigned this actor GPUs (Ray
+    sets ``CUDA_VISIBLE_DEVICES`` to them, so the first visible device is the assigned one) and CUDA is
+    available; CPU otherwise. GPU ids without CUDA (GPUs declared to a CPU-only Ray, as in tests) stay on
+    CPU, with one warning per process. Ray is asked only when this process already imported and started
+    it, so plain objects (tests, ``tests/gpu/run.sh``) default to CPU and take ``device=`` instead."""
+    global _warned_no_cuda
+    ray = sys.modules.get("ray")
+    gpu_ids = ray.get_gpu_ids() if ray is not None and ray.is_initialized() else []
+    if not gpu_ids:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    if not _warned_no_cuda:
+        _warned_no_cuda = True
+        warnings.warn(f"Ray assigned GPUs {list(gpu_ids)} to this engine but torch sees no CUDA device: it runs on CPU",
+                      RuntimeWarning, stacklevel=2)
+    return torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as given (an engine's constructor argument), or ``engine_device()`` for None."""
+    return engine_device() if device is None else torch.device(device)
+
+
 def local_model_path(path: str) -> str:
     """A path ``from_pretrained`` can read: local paths and hub ids as given, ``s3://…`` (any fsspec URL)
     downloaded once into the local cache."""
@@ -99,28 +129,40 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_model(path: str, dtype: str = "float32", trainable: bool = True):
-    """Any HF causal LM by local path, hub id or fsspec URL (s3://…)."""
+def _model_options(dtype: str, attn_implementation: str | None) -> dict:
+    """``from_pretrained`` keywords: the dtype, and the attention kernel when one is chosen (None keeps
+    transformers' default)."""
+    options = {"dtype": getattr(torch, dtype)}
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    return options
+
+
+def load_model(path: str, dtype: str = "float32", trainable: bool = True, *, attn_implementation: str | None = None,
+               device: str | torch.device = "cpu"):
+    """Any HF causal LM by local path, hub id or fsspec URL (s3://…), on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(local_model_path(path), dtype=getattr(torch, dtype))
-    model.train(trainable)
+    model = AutoModelForCausalLM.from_pretrained(local_model_path(path), **_model_options(dtype, attn_implementation))
+    model.train(trainable)  # before the move: transformers' hub kernels re-kernelize on a mode change
     if not trainable:
         model.requires_grad_(False)
-    return model
+    return model.to(device)
 
 
-def load_value_model(path: str, dtype: str = "float32"):
+def load_value_model(path: str, dtype: str = "float32", *, attn_implementation: str | None = None,
+                     device: str | torch.device = "cpu"):
     """A critic: the causal LM's backbone with a fresh scalar head per token (``...ForTokenClassification``,
     ``num_labels=1``). The head starts at zero so the first values are 0, not noise."""
     from transformers import AutoModelForTokenClassification
 
-    model = AutoModelForTokenClassification.from_pretrained(local_model_path(path), num_labels=1, dtype=getattr(torch, dtype))
+    model = AutoModelForTokenClassification.from_pretrained(local_model_path(path), num_labels=1,
+                                                            **_model_options(dtype, attn_implementation))
     head = model.score if hasattr(model, "score") else model.classifier
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:
         torch.nn.init.zeros_(head.bias)
-    return model.train(True)
+    return model.train(True).to(device)
 
 
 def stop_token_ids(tokenizer, stop_strings: Iterable[str] = ()) -> tuple[int, ...]:

@@ -112,6 +112,13 @@ class TrainBatch:
         for start in range(0, len(self), size):
             yield self.select(slice(start, start + size))
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """The batch with every tensor on ``device`` (tensors already there are not copied)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TrainBatch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
+                          {k: move(v) for k, v in self.tensors.items()}, turn_index=move(self.turn_index),
+                          group_ids=move(self.group_ids))
+
     def with_tensors(self, **tensors: torch.Tensor) -> "TrainBatch":
         return dataclasses.replace(self, tensors={**self.tensors, **tensors})
 

@@ -30,7 +30,14 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch
-import xxhash
+
+try:
+    import xxhash
+except ImportError:  # a bare host without it (tests/gpu/run.sh): BLAKE2b-128 through the same calls, other digests
+    import hashlib
+    from types import SimpleNamespace
+
+    xxhash = SimpleNamespace(xxh3_128=lambda data=b"": hashlib.blake2b(data, digest_size=16))
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
             metas.append(_meta(name, tensor, offset))
             chunks.append(raw)
             offset += raw.numel()
-        buckets.append(Bucket(tuple(metas), torch.cat(chunks).numpy()))
+        buckets.append(Bucket(tuple(metas), torch.cat(chunks).cpu().numpy()))  # a CUDA model's bytes come to host memory
         pending, size = [], 0
 
     for name, tensor in named_tensors:
@@ -87,11 +94,16 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 
 
 def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` views into ``bucket.data`` (read-only: copy before writing)."""
+    """``(name, tensor)`` views into ``bucket.data`` (read-only: copy before writing)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Ray hands out read-only arrays; we only read them
         raw = torch.from_numpy(bucket.data)
-    for meta in bucket.metas:
+    return byte_views(raw, bucket.metas)
+
+
+def byte_views(raw: torch.Tensor, metas: Iterable[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of each meta's bytes in the uint8 tensor ``raw`` (on any device)."""
+    for meta in metas:
         flat = raw[meta.offset : meta.offset + meta.nbytes].view(getattr(torch, meta.dtype))
         yield meta.name, flat.view(meta.shape)
 
@@ -118,7 +130,13 @@ def weights_checksum(model: torch.nn.Module) -> str:
     Equal for bit-identical weights; any changed bit, tensor swap or rename changes it. Tensors are read
     in place (no copy) and hashed on ``torch.get_num_threads()`` threads (xxhash releases the GIL), or
     on this one below ``SERIAL_HASH_BYTES``, where handing tensors to threads costs more than hashing."""
-    named = list(model.named_parameters())
+    return tensors_checksum(model.named_parameters())
+
+
+def tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """``weights_checksum`` of the ``(name, tensor)`` pairs given (on any device: CUDA tensors are hashed
+    from host copies)."""
+    named = list(named_tensors)
     nbytes = sum(param.numel() * param.element_size() for _, param in named)
     mapper = map if nbytes < SERIAL_HASH_BYTES else _hash_pool().map
     digests = mapper(_tensor_digest, [param for _, param in named])
@@ -181,9 +199,12 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 
 def node_id() -> str:
-    """Ray node of this process ("local" outside Ray): shared memory only reaches engines on the same node."""
-    import ray
-
+    """Ray node of this process ("local" outside Ray, or without it installed): shared memory only reaches
+    engines on the same node."""
+    try:
+        import ray
+    except ImportError:
+        return "local"
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 

@@ -1,10 +1,14 @@
 """HF/torch inference engine: batched sampling with a KV cache, on CPU or one GPU.
 
+The model and every tensor of a ``generate`` call live on the engine's device (``engines.models.engine_device``:
+the GPU Ray assigned, else CPU); prompts arrive as lists and ``Rollouts`` go back on CPU.
+
 Prompts are left-padded and decoded together; each step feeds one token per row through the cache.
 Logprobs are of ``logits / temperature`` before top-k/top-p filtering, the distribution the trainer
 recomputes, so train/rollout logprobs agree to float rounding. Weights arrive as versioned updates
 (``begin_update``/``receive``/``commit``, the contract of ``engines.protocols``) or, from a trainer on
-the same node, through shared memory (``update_weights_shared``).
+the same node, through shared memory (``update_weights_shared``), or from a trainer on the same GPU
+through CUDA IPC (``update_weights_cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.models import load_model, load_tokenizer, set_torch_threads
+from engines.models import load_model, load_tokenizer, resolve_device, set_torch_threads
 from engines.protocols import UpdateReport
 from engines.training.logprobs import position_ids_from_mask
 from engines.types import Rollouts, SamplingParams
 from engines.weight_sync import Bucket, SharedWeightReader, SharedWeights, node_id, unpack_bucket, weights_checksum
+from engines.weight_sync_cuda import CudaWeights, load_cuda_weights
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -50,9 +55,14 @@ class _OpenUpdate:
 class HFInferenceEngine:
     """Rollout engine over a transformers causal LM. Lives in a Ray actor; plain object in tests."""
 
-    def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0) -> None:
+    def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0,
+                 attn_implementation: str | None = None, device: str | None = None) -> None:
+        """``attn_implementation``: transformers' attention kernel (None: its default); ``device``: where the
+        model runs (None: ``engine_device()``)."""
         set_torch_threads(torch_threads)
-        self._serve(load_model(model_path, dtype=dtype, trainable=False).eval(), load_tokenizer(model_path))
+        model = load_model(model_path, dtype=dtype, trainable=False, attn_implementation=attn_implementation,
+                           device=resolve_device(device))
+        self._serve(model.eval(), load_tokenizer(model_path))
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer) -> "HFInferenceEngine":
@@ -63,6 +73,7 @@ class HFInferenceEngine:
 
     def _serve(self, model: torch.nn.Module, tokenizer) -> None:
         self.tokenizer, self.model = tokenizer, model
+        self.device = next(model.parameters()).device
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
         self._version = 0
@@ -130,6 +141,18 @@ class HFInferenceEngine:
         self._version = shared.version
         return checksum
 
+    def update_weights_cuda_ipc(self, weights: CudaWeights | None) -> str | None:
+        """Copy the weights a trainer on this GPU exported (``TorchTrainEngine.export_cuda_ipc``) into the
+        parameters, device to device; returns the new checksum, or None when they are not reachable from
+        here (no handles, this engine not on CUDA or offloaded, another node or GPU), so the caller sends
+        buckets instead."""
+        if self._update is not None:
+            raise RuntimeError(f"update_weights_cuda_ipc() during weight update v{self._update.version}: commit it first")
+        checksum = load_cuda_weights(self.model, weights)
+        if checksum is not None:
+            self._version = weights.version
+        return checksum
+
     def weights_version(self) -> int:
         """The version of the last committed update (0 before any)."""
         return self._version
@@ -184,12 +207,13 @@ class HFInferenceEngine:
         prompt_ids = self.encode(prompts) if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts]
         pad = self.tokenizer.pad_token_id
         rows = len(prompt_ids)
+        device = self.device
         unique: dict[tuple[int, ...], int] = {}
-        row_to_unique = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompt_ids])
-        input_ids, attention_mask = left_pad(list(unique), pad)
+        row_to_unique = torch.tensor([unique.setdefault(tuple(p), len(unique)) for p in prompt_ids], device=device)
+        input_ids, attention_mask = (t.to(device) for t in left_pad(list(unique), pad))
         positions = position_ids_from_mask(attention_mask)
-        stop_ids = torch.tensor(sampling.stop_token_ids or (self.tokenizer.eos_token_id,), dtype=torch.long)
-        generator = torch.Generator().manual_seed(sampling.seed)
+        stop_ids = torch.tensor(sampling.stop_token_ids or (self.tokenizer.eos_token_id,), dtype=torch.long, device=device)
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)  # seeded on the device it samples on
         greedy = sampling.temperature <= 0
 
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -199,10 +223,10 @@ class HFInferenceEngine:
             cache.batch_select_indices(row_to_unique)
         attention_mask, next_pos = attention_mask[row_to_unique], positions[row_to_unique, -1] + 1
 
-        response_ids = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long)
-        logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32)
-        lengths = torch.zeros(rows, dtype=torch.long)
-        active = torch.arange(rows)  # original row of each row still decoding
+        response_ids = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=device)
+        logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        active = torch.arange(rows, device=device)  # original row of each row still decoding
         for t in range(sampling.max_new_tokens):
             logits = logits.float()
             if not greedy:
@@ -238,7 +262,9 @@ class HFInferenceEngine:
             next_pos = next_pos + 1
 
         width = int(lengths.max()) if rows else 0
-        response_ids, logprobs = response_ids[:, :width], logprobs[:, :width]
+        # the outputs go back on CPU (Ray hands them to other actors); the decoding below reads them there
+        response_ids, logprobs, lengths = response_ids[:, :width].cpu(), logprobs[:, :width].cpu(), lengths.cpu()
+        stop_ids = stop_ids.cpu()
         stopped = torch.isin(response_ids[torch.arange(rows), (lengths - 1).clamp(min=0)], stop_ids) & (lengths > 0)
         stop_set = set(stop_ids.tolist())
         completions = [

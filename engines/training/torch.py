@@ -1,5 +1,9 @@
 """Plain-torch training engine: one process, CPU or one GPU.
 
+The model, its optimizer state and fp32 master weights live on the engine's device
+(``engines.models.engine_device``: the GPU Ray assigned, else CPU); batches arriving on CPU move there,
+and log-probabilities and values go back on CPU.
+
 ``train_step`` runs PPO's inner loop over a rollout batch (``engines.training.updates``: epochs ×
 mini-batches of optimizer steps, each with micro-batches, gradient accumulation, a gradient-norm clip,
 AdamW and the LR schedule). The loss is passed in (``engines.algorithms.objective``), so the engine knows nothing
@@ -20,12 +24,13 @@ import numpy as np
 import torch
 
 from engines.checkpoint_store import write_bytes
-from engines.models import load_model, load_tokenizer, load_value_model, set_torch_threads
+from engines.models import load_model, load_tokenizer, load_value_model, resolve_device, set_torch_threads
 from engines.training.logprobs import batched_logprobs, batched_values, packed_token_logprobs, token_logprobs, token_values
 from engines.training.precision import MasterWeights, needs_master_weights
 from engines.training.updates import UpdateSpec, run_updates
 from engines.types import Rollouts, TrainBatch, build_train_batch
 from engines.weight_sync import Bucket, SharedWeights, SharedWeightWriter, node_id, pack_buckets, weights_checksum
+from engines.weight_sync_cuda import CudaWeightExporter, CudaWeights
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,10 @@ def _torch_bytes(obj) -> bytes:
 
 
 def _read_torch(uri: str):
+    """A ``torch.save`` file, its tensors on CPU (a GPU run's optimizer state loads on any machine:
+    ``Optimizer.load_state_dict`` moves each state to its parameter's device)."""
     with fsspec.open(uri, "rb") as f:
-        return torch.load(io.BytesIO(f.read()), weights_only=False)
+        return torch.load(io.BytesIO(f.read()), weights_only=False, map_location="cpu")
 
 
 def _fused_adamw(model: torch.nn.Module) -> bool:
@@ -77,24 +84,41 @@ class TorchTrainEngine:
     The loss function receives ``logprobs`` and ``entropy`` (policy) or ``values`` (critic), each
     ``[b, l]`` for one micro-batch, plus the micro-batch itself. With ``packing`` the policy's forward
     runs on the micro-batch's sequences packed without padding, and logprobs/entropy are computed at
-    response tokens only (0 elsewhere; every objective masks with ``loss_mask``)."""
+    response tokens only (0 elsewhere; every objective masks with ``loss_mask``).
+
+    ``attn_implementation`` picks transformers' attention kernel (None: its default); a flash-attention
+    kernel takes no attention mask, so the rows of a group then do not share their prompt (``share_prompts``).
+    ``gradient_checkpointing`` recomputes each layer's activations in the backward pass instead of keeping
+    them (same gradients, less memory, one more forward). ``device``: None = ``engine_device()``."""
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
                  torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
-                 head: str = "policy", packing: bool = True, share_prompts: bool = True) -> None:
+                 head: str = "policy", packing: bool = True, share_prompts: bool = True,
+                 attn_implementation: str | None = None, gradient_checkpointing: bool = False,
+                 device: str | None = None) -> None:
         if head not in ("policy", "value"):
             raise ValueError(f"head must be 'policy' or 'value', got {head!r}")
         set_torch_threads(torch_threads)
         torch.manual_seed(seed)
         self.head = head
+        self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype=dtype, trainable=True) if head == "policy" else load_value_model(model_path, dtype)
+        load = load_model if head == "policy" else load_value_model
+        self.model = load(model_path, dtype, attn_implementation=attn_implementation, device=self.device)
+        if gradient_checkpointing:
+            enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers 5's name
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False  # training forwards keep no KV cache (nothing to checkpoint)
         self.optim_spec = optim
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.packing = packing
-        self.share_prompts = packing and share_prompts
+        self.share_prompts = packing and share_prompts and "flash" not in (attn_implementation or "")
         self._shared_writer: SharedWeightWriter | None = None  # created at the first shared-memory sync
+        self._cuda_exporter: CudaWeightExporter | None = None  # created at the first CUDA IPC sync
         # bf16/fp16 parameters: the optimizer steps fp32 master copies (engines.training.precision)
         self.master = MasterWeights(self.model) if needs_master_weights(self.model) else None
         self.optimizer = torch.optim.AdamW(
@@ -113,8 +137,8 @@ class TorchTrainEngine:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token logprobs of ``batch.input_ids`` under the current weights, [B, L]."""
         self.model.eval()
-        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing,
-                                self.share_prompts)
+        return batched_logprobs(self.model, batch.to(self.device), self.micro_batch_size, self.temperature,
+                                self.packing, self.share_prompts).cpu()
 
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``: PPO's old logprobs."""
@@ -124,7 +148,8 @@ class TorchTrainEngine:
     def rollout_values(self, rollouts: Rollouts) -> torch.Tensor:
         """Critic values of ``prompt ++ response`` rows, [B, L], aligned like ``build_train_batch(rollouts)``."""
         self.model.eval()
-        return batched_values(self.model, build_train_batch(rollouts, pad_token_id=0), self.micro_batch_size)
+        batch = build_train_batch(rollouts, pad_token_id=0).to(self.device)
+        return batched_values(self.model, batch, self.micro_batch_size).cpu()
 
     def _forward(self, micro: TrainBatch, *, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
         """The loss function's inputs for ``micro``. The entropy is differentiable only with ``entropy_grad``
@@ -145,6 +170,7 @@ class TorchTrainEngine:
         each in micro-batches with gradient accumulation; returns the steps' metrics combined."""
         self._export_done()
         self.model.train()
+        batch = batch.to(self.device)
         entropy_grad = getattr(loss_fn, "needs_entropy_grad", True)
         forward = lambda micro: self._forward(micro, entropy_grad=entropy_grad)  # noqa: E731
         totals = run_updates(batch, loss_fn, update, forward=forward, parameters=self._optimized_parameters(),
@@ -164,12 +190,22 @@ class TorchTrainEngine:
         (None when ``/dev/shm`` has no room). The copy finishes in the background, so the caller's round
         trip to the receivers overlaps it; receivers wait for it, and so does every method here that
         changes the weights."""
-        named = list(self.model.named_parameters())
+        named = [(name, p.detach().cpu()) for name, p in self.model.named_parameters()]  # a GPU's weights: host copies
         if self._shared_writer is None:
             if not SharedWeightWriter.fits(sum(p.numel() * p.element_size() for _, p in named)):
                 return None
             self._shared_writer = SharedWeightWriter("weights")
         return self._shared_writer.write(version, named, node_id(), background=True)
+
+    def export_cuda_ipc(self, version: int) -> CudaWeights | None:
+        """Copy the weights (in the model's compute dtype) into this GPU's export buffer and return its CUDA
+        IPC handles (``engines.weight_sync_cuda``), or None when the model is not on CUDA (or offloaded).
+        ``CudaWeights.checksum`` is the exported weights' checksum; a rollout engine on the same GPU loads
+        them with ``update_weights_cuda_ipc``. The buffer stays valid until the next export or ``offload``."""
+        if next(self.model.parameters()).device.type != "cuda":
+            return None
+        self._cuda_exporter = self._cuda_exporter or CudaWeightExporter()
+        return self._cuda_exporter.export(version, self.model.named_parameters())
 
     def _export_done(self) -> None:  # before anything that changes the weights
         if self._shared_writer is not None:
@@ -180,6 +216,12 @@ class TorchTrainEngine:
         if self._shared_writer is not None:
             self._shared_writer.close()
             self._shared_writer = None
+        self._close_cuda_export()
+
+    def _close_cuda_export(self) -> None:
+        if self._cuda_exporter is not None:
+            self._cuda_exporter.close()
+            self._cuda_exporter = None
 
     def weights_checksum(self) -> str:
         self._export_done()
@@ -263,6 +305,7 @@ class TorchTrainEngine:
         if self._offloaded is not None:
             return
         self._export_done()  # a background shared-memory copy still reads the parameters
+        self._close_cuda_export()  # the CUDA IPC buffer is a copy of the weights on the GPU
         self.optimizer.zero_grad(set_to_none=True)
         moved = [(state, key, value.device) for state in self.optimizer.state.values()
                  for key, value in state.items() if torch.is_tensor(value) and value.device.type != "cpu"]
@@ -290,18 +333,21 @@ class ReferenceEngine:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0,
                  micro_batch_size: int = 8, temperature: float = 1.0, packing: bool = True,
-                 share_prompts: bool = True) -> None:
+                 share_prompts: bool = True, attn_implementation: str | None = None,
+                 device: str | None = None) -> None:
         set_torch_threads(torch_threads)
-        self.model = load_model(model_path, dtype=dtype, trainable=False).eval()
+        self.device = resolve_device(device)
+        self.model = load_model(model_path, dtype=dtype, trainable=False, attn_implementation=attn_implementation,
+                                device=self.device).eval()
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.packing = packing
-        self.share_prompts = packing and share_prompts
+        self.share_prompts = packing and share_prompts and "flash" not in (attn_implementation or "")
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return batched_logprobs(self.model, batch, self.micro_batch_size, self.temperature, self.packing,
-                                self.share_prompts)
+        return batched_logprobs(self.model, batch.to(self.device), self.micro_batch_size, self.temperature,
+                                self.packing, self.share_prompts).cpu()
 
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``."""
