@@ -68,6 +68,10 @@ class ModelConfig(Section):
     """Shape of the tiny model (source: tiny)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of every engine."""
+    attn_implementation: str | None = None
+    """Attention kernel of every HF/torch engine, passed to transformers' from_pretrained: eager, sdpa,
+    flash_attention_2 (needs flash-attn, a GPU and bfloat16/float16; groups then do not share their prompt
+    in training), …; None = transformers' default."""
 
     @model_validator(mode="after")
     def _path_for_hf(self):
@@ -430,6 +434,9 @@ class TrainConfig(Section):
     share_prompts: bool = True
     """With packing: the rows of a group (one prompt) share one copy of the prompt, each response attending
     to it and to itself (fewer tokens through the model; same values). Used when it saves >= 10% of tokens."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them (policy and critic):
+    the same gradients with less memory, for one more forward pass."""
     optim: OptimConfig = OptimConfig()
     """Optimizer of the policy."""
 

@@ -87,9 +87,13 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     checkpoint, which resets them)."""
     from engines.models import load_tokenizer, stop_token_ids
 
+    # options passed only when set: backends without them (vLLM) and the fingerprints of live actors stay as they were
+    attn = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
     common = dict(run_name=config.run.name, model_path=model_path, dtype=config.model.dtype,
-                  torch_threads=config.run.torch_threads)
+                  torch_threads=config.run.torch_threads, **attn)
     trainable = dict(common, reuse=restoring)
+    if config.train.gradient_checkpointing:
+        trainable["gradient_checkpointing"] = True
     temperature = config.rollout.temperature
     optim = OptimSpec(**config.train.optim.model_dump(), total_steps=optimizer_steps(config, "policy"))
     rollout = start_engine(f"rollout/{config.rollout.engine}", role="rollout", **common)
@@ -113,7 +117,7 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     judge_path = judge_model_path(domains, model_path)
     if judge_path is not None:  # the LLM-as-judge reward's own inference engine
         judge = start_engine("rollout/hf", role="judge", run_name=config.run.name, model_path=judge_path,
-                             dtype=config.model.dtype, torch_threads=config.run.torch_threads)
+                             dtype=config.model.dtype, torch_threads=config.run.torch_threads, **attn)
     tokenizer = load_tokenizer(model_path)
     return RLEngines(rollout, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
                      stop_token_ids(tokenizer, config.rollout.stop))

@@ -34,9 +34,12 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
     out = sft_dir(config)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     optim = OptimSpec(**sft.optim.model_dump(), total_steps=sft.steps)
+    options = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
+    if config.train.gradient_checkpointing:
+        options["gradient_checkpointing"] = True
     trainer = start_engine("train/torch", run_name=config.run.name, role="sft-trainer", reuse=False, model_path=model_path,
                            optim=optim, dtype=config.model.dtype, seed=config.run.seed,
-                           torch_threads=config.run.torch_threads, micro_batch_size=sft.micro_batch_size)
+                           torch_threads=config.run.torch_threads, micro_batch_size=sft.micro_batch_size, **options)
     objective = SFTObjective()
     progress = StageProgress("sft", sft.steps, keys=("sft/nll",))
     position = 0
