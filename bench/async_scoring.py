@@ -62,12 +62,12 @@ def main(argv: list[str]) -> None:
                              SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=1000 * step + k), spec))
         return out
 
-    generate_and_score.fn(rollout, workers, chunks_for(0), True)  # warm-up: model load, first sandbox
+    generate_and_score.fn([rollout], workers, chunks_for(0), True)  # warm-up: model load, first sandbox
     times: dict[bool, list[float]] = {False: [], True: []}
     for step in range(1, steps + 1):
         for overlap in (False, True):
             start = time.perf_counter()
-            scored = generate_and_score.fn(rollout, workers, chunks_for(step), overlap)
+            scored = generate_and_score.fn([rollout], workers, chunks_for(step), overlap)
             times[overlap].append(time.perf_counter() - start)
         gen = sum(s["generate_s"] for s in scored.stats)
         score = sum(s["score_s"] for s in scored.stats)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from configs.checks import (CheckError, backend, check_data_files, check_option_values, check_options,
                             keyword_options)
+from configs.placement import PlacementConfig
 
 
 class Section(BaseModel):
@@ -513,6 +514,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     sync: SyncConfig = SyncConfig()
+    placement: PlacementConfig | None = None
+    """Replicas and GPUs per role and which roles share devices; omit to run every engine on CPU, as one actor."""
 
     @model_validator(mode="after")
     def _cross_checks(self):

@@ -53,15 +53,19 @@ def _responsive(handle, timeout_s: float) -> bool:
 
 def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num_cpus: float = 0,
                  num_gpus: float = 0, runtime_env: dict | None = None, max_concurrency: int | None = None,
-                 **kwargs: Any):
+                 scheduling_strategy=None, **kwargs: Any):
     """The actor ``<run>/<role>`` of engine ``kind``, ``"<role kind>/<backend>"`` (``engines.backends``: a
     short name or a dotted path, imported here): the live one built from the same ``kind`` and ``kwargs``
     if there is one and ``reuse``, else a new one (replacing any actor of this run and role). Pass ``reuse=False``
     for a trainable engine that will not be restored from a checkpoint: its weights may have moved.
 
     Actors never restart and their calls never retry: a crash fails the step, and resume goes through
-    the checkpoint instead of a half-updated actor."""
-    name = actor_name(run_name, role, fingerprint(kind, {**kwargs, "max_concurrency": max_concurrency}))
+    the checkpoint instead of a half-updated actor. ``num_gpus`` and ``scheduling_strategy`` (a placement
+    group bundle, ``engines.placement``) are part of what the actor was built from: a changed placement replaces it."""
+    where = scheduling_strategy and (scheduling_strategy.placement_group.id.hex(),
+                                     scheduling_strategy.placement_group_bundle_index)
+    placed = {"placement": (num_gpus, where)} if num_gpus or where else {}
+    name = actor_name(run_name, role, fingerprint(kind, {**kwargs, "max_concurrency": max_concurrency, **placed}))
     for other in run_actor_names(run_name, role):
         if other != name or not reuse:
             _kill_named(other)  # built from another config: not interchangeable
@@ -83,6 +87,7 @@ def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num
         max_restarts=0,
         max_task_retries=0,
         runtime_env=runtime_env,
+        scheduling_strategy=scheduling_strategy,
         **({"max_concurrency": max_concurrency} if max_concurrency else {}),  # threaded actor: calls overlap
     ).remote(**kwargs)
 
@@ -93,12 +98,14 @@ def joined_cluster() -> bool:
 
 
 def describe(handle) -> dict[str, Any]:
-    """``{"actor_id", "pid", "node_ip"}`` of a live actor, read inside it."""
+    """``{"actor_id", "pid", "node_ip", "gpu_ids"}`` of a live actor, read inside it (``gpu_ids``: those Ray
+    assigned it, as strings)."""
     def where(_self):
         import os as _os
 
         context = ray.get_runtime_context()
-        return {"actor_id": context.get_actor_id(), "pid": _os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+        return {"actor_id": context.get_actor_id(), "pid": _os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
 
     return ray.get(handle.__ray_call__.remote(where))
 

@@ -25,18 +25,20 @@ from dataclasses import dataclass, field
 from prefect import flow
 from prefect.utilities.annotations import quote  # large task arguments: Prefect need not walk them (no futures inside)
 
+from configs.placement import PlacementConfig
 from configs.schema import Config
 from flows.setup import domain_rewards, final_dir, load_domains
 from flows.stages import stage_key
 from flows.progress import StageProgress
 from flows.tracking import RunTracker
 from engines import checkpoint_store as store
-from engines.actors import describe, run_actor_names, start_engine, stop_engine
+from engines.actors import describe, joined_cluster, run_actor_names, start_engine, stop_engine, stop_named
 from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import PolicyObjective, ValueObjective
 from engines.algorithms.advantages import GROUP_ESTIMATORS
 from engines.algorithms.shaping import RunningMoments, ShapingSpec
 from engines.data.domains import draw
+from engines.placement import ROLES, Reservation, RoleSpec, plan_placement, reserve
 from engines.rewards.failures import RewardFailureMonitor, failures_by_domain
 from engines.batches import AdvantageSpec
 from engines.scoring import ScoreSpec, summarize
@@ -54,7 +56,7 @@ from tasks.train import train
 
 @dataclass
 class RLEngines:
-    rollout: object
+    rollouts: list  # one per replica (placement.rollout.replicas); every sync reaches all of them
     trainer: object
     reference: object | None
     critic: object | None
@@ -62,6 +64,7 @@ class RLEngines:
     judge: object | None
     pad_token_id: int
     stop_token_ids: tuple[int, ...]
+    placement: Reservation | None = None
 
     @property
     def reward_worker(self):
@@ -74,9 +77,11 @@ class RLEngines:
         return {"policy": self.trainer, **({"critic": self.critic} if self.critic is not None else {})}
 
     def stop(self) -> None:
-        for handle in (self.rollout, self.trainer, self.reference, self.critic, self.judge, *self.reward_workers):
+        for handle in (*self.rollouts, self.trainer, self.reference, self.critic, self.judge, *self.reward_workers):
             if handle is not None:
                 stop_engine(handle)
+        if self.placement is not None:
+            self.placement.release()
 
 
 def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: list) -> RLEngines:
@@ -84,7 +89,7 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     as they start), a judge engine (when a domain scores with ``judge``), a frozen reference (when
     ``kl.coef > 0``) and a critic (when ``advantage: gae``), as named Ray actors; live ones of this run
     with the same settings are reattached (the trainer and critic only when ``restoring`` from a
-    checkpoint, which resets them)."""
+    checkpoint, which resets them). Each is placed by ``placement`` (``reserve_placement``)."""
     from engines.models import load_tokenizer, stop_token_ids
 
     # options passed only when set: backends without them (vLLM) and the fingerprints of live actors stay as they were
@@ -95,32 +100,59 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     if config.train.gradient_checkpointing:
         trainable["gradient_checkpointing"] = True
     temperature = config.rollout.temperature
+    judge_path = judge_model_path(domains, model_path)
+    placement = reserve_placement(config, judge=judge_path is not None)
+    where = placement.options
     optim = OptimSpec(**config.train.optim.model_dump(), total_steps=optimizer_steps(config, "policy"))
-    rollout = start_engine(f"rollout/{config.rollout.engine}", role="rollout", **common)
+    roles = rollout_roles((config.placement or PlacementConfig()).rollout.replicas)
+    for name in run_actor_names(config.run.name):  # replicas of an earlier placement with more of them
+        role = name.split("/", 1)[1].split("#")[0]
+        if role.startswith("rollout") and role not in roles:
+            stop_named(name)
+    rollouts = [start_engine(f"rollout/{config.rollout.engine}", role=role, **where("rollout", i), **common)
+                for i, role in enumerate(roles)]
     trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
                            micro_batch_size=config.train.micro_batch_size, temperature=temperature,
-                           packing=config.train.packing, share_prompts=config.train.share_prompts, **trainable)
+                           packing=config.train.packing, share_prompts=config.train.share_prompts,
+                           **where("trainer"), **trainable)
     reference = critic = None
     if config.algorithm.kl.coef > 0:
         reference = start_engine("reference/torch", role="reference", micro_batch_size=config.train.micro_batch_size,
                                  temperature=temperature, packing=config.train.packing,
-                                 share_prompts=config.train.share_prompts, **common)
+                                 share_prompts=config.train.share_prompts, **where("reference"), **common)
     if config.algorithm.advantage == "gae":
         critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=optimizer_steps(config, "critic"))
         critic = start_engine(f"train/{config.train.engine}", role="critic", optim=critic_optim, seed=config.run.seed,
-                              micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
+                              micro_batch_size=config.train.micro_batch_size, head="value", **where("critic"), **trainable)
     # Threaded actors: a worker takes several chunks at once; its reward pool bounds the calls in flight.
     reward_workers = [start_engine("reward/worker", run_name=config.run.name, role=f"reward-{i}",
-                                   max_concurrency=2 * config.reward.concurrency, rewards=domain_rewards(domains))
+                                   max_concurrency=2 * config.reward.concurrency, rewards=domain_rewards(domains),
+                                   **where("reward", i))
                       for i in range(config.reward.workers)]
     judge = None
-    judge_path = judge_model_path(domains, model_path)
     if judge_path is not None:  # the LLM-as-judge reward's own inference engine
         judge = start_engine("rollout/hf", role="judge", run_name=config.run.name, model_path=judge_path,
-                             dtype=config.model.dtype, torch_threads=config.run.torch_threads, **attn)
+                             dtype=config.model.dtype, torch_threads=config.run.torch_threads, **attn, **where("judge"))
     tokenizer = load_tokenizer(model_path)
-    return RLEngines(rollout, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
-                     stop_token_ids(tokenizer, config.rollout.stop))
+    return RLEngines(rollouts, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
+                     stop_token_ids(tokenizer, config.rollout.stop), placement)
+
+
+def rollout_roles(replicas: int) -> list[str]:
+    """Role names of the rollout replicas: ``rollout`` alone, else ``rollout-0``, ``rollout-1``, …"""
+    return ["rollout"] if replicas == 1 else [f"rollout-{i}" for i in range(replicas)]
+
+
+def reserve_placement(config: Config, judge: bool) -> Reservation:
+    """The placement groups of the roles this run starts (``placement``; none without GPUs or without the
+    section, and then every engine is scheduled on CPU as one actor per role, reward workers aside)."""
+    section = config.placement or PlacementConfig()
+    started = {"rollout": True, "trainer": True, "reference": config.algorithm.kl.coef > 0,
+               "critic": config.algorithm.advantage == "gae", "reward": True, "judge": judge}
+    roles = {role: RoleSpec(config.reward.workers if role == "reward" else getattr(section, role).replicas,
+                            getattr(section, role).gpus) for role in ROLES if started[role]}
+    return reserve(plan_placement(roles, section.colocate), config.run.name, section.timeout_s,
+                   detached=joined_cluster())
 
 
 def optimizer_steps(config: Config, role: str) -> int:
@@ -140,7 +172,7 @@ def judge_model_path(domains: list, model_path: str) -> str | None:
 
 def record_engines(run_dir: str, engines: RLEngines) -> None:
     """``<run.dir>/engines.json``: actor id, pid and node of each engine of the current attempt."""
-    roles = {"rollout": engines.rollout, "trainer": engines.trainer, "reference": engines.reference,
+    roles = {**dict(zip(rollout_roles(len(engines.rollouts)), engines.rollouts)), "trainer": engines.trainer, "reference": engines.reference,
              "critic": engines.critic, "judge": engines.judge, "reward": engines.reward_worker,
              **{f"reward-{i}": w for i, w in enumerate(engines.reward_workers[1:], start=1)}}
     store.write_json(store.join(run_dir, "engines.json"),
@@ -229,10 +261,11 @@ def score_spec(cfg: Config, domain, engines: RLEngines) -> ScoreSpec:
 
 def build_chunks(cfg: Config, engines: RLEngines, drawn: list, seed: int) -> list[Chunk]:
     """The step's generation calls: each domain's prompts (groups kept whole) in up to
-    ``reward.generation_chunks`` pieces, each with the domain's scoring."""
+    ``reward.generation_chunks`` pieces, and at least one per rollout replica where there are prompts
+    enough, each with the domain's scoring. Chunk ``i`` generates on replica ``i % replicas``."""
     group, chunks = cfg.rollout.group_size, []
     for domain, rows in drawn:
-        pieces = min(cfg.reward.generation_chunks, len(rows))
+        pieces = min(max(cfg.reward.generation_chunks, len(engines.rollouts)), len(rows))
         bounds = [round(i * len(rows) / pieces) for i in range(pieces + 1)]
         for lo, hi in zip(bounds, bounds[1:]):
             part = rows[lo:hi]
@@ -262,7 +295,7 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState,
         drawn, positions = draw(domains, positions)
         chunks = build_chunks(cfg, engines, drawn, seed=(cfg.run.seed * 1_000_003 + step) * 101 + round_index)
         with timed(metrics, "time/generate_and_score"):
-            scored = generate_and_score(engines.rollout, engines.reward_workers, quote(chunks), cfg.reward.async_scoring,
+            scored = generate_and_score(engines.rollouts, engines.reward_workers, quote(chunks), cfg.reward.async_scoring,
                                         keep_groups=(group, room) if dynamic.enabled else None)
         if round_index == 0:
             reward_failures.update(step, failures_by_domain(scored.stats))  # warns; raises past reward.failure_patience
@@ -319,7 +352,7 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
         with timed(metrics, "time/train"):
             metrics.update(train(engines.trainer, batch_ref, objective, update_spec(cfg, step)))
         with timed(metrics, "time/sync_weights"):
-            sync_weights(engines.trainer, [engines.rollout], step, cfg.sync.bucket_mb)
+            sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb)
     if alg.kl.controller == "adaptive":
         state.kl_coef = adaptive_kl_coef(coef=state.kl_coef, observed_kl=advantage_metrics["kl/seq_mean"],
                                          target_kl=alg.kl.target, horizon=alg.kl.horizon,
@@ -337,7 +370,7 @@ def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[flo
     per_domain, samples, correct, total = {}, [], 0.0, 0
     for domain in domains:
         rows = domain.heldout_rows[: config.eval.num_prompts] if config.eval.num_prompts else domain.heldout_rows
-        accuracy, domain_samples = evaluate(engines.rollout, engines.reward_worker, quote(rows), sampling,
+        accuracy, domain_samples = evaluate(engines.rollouts, engines.reward_worker, quote(rows), sampling,
                                             score_spec(config, domain, engines))
         per_domain[domain.name] = accuracy
         samples += domain_samples
@@ -367,7 +400,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     if latest is not None:
         state = RLState.from_json(restore(engines.train_engines, latest[1]))
         state.resumed_from.append(state.step)  # each attempt's starting checkpoint
-    sync_weights(engines.trainer, [engines.rollout], state.step, cfg.sync.bucket_mb)
+    sync_weights(engines.trainer, engines.rollouts, state.step, cfg.sync.bucket_mb)
     if state.step == 0:
         accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
         state.heldout_accuracy["0"] = accuracy

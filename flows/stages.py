@@ -62,7 +62,8 @@ SAFE_CHANGES = frozenset({
 DEPENDS: dict[str, tuple[str, ...]] = {
     "base_model": ("model.tiny", "run.seed"),
     "sft": ("sft", "model.dtype", "run.seed"),
-    "rlvr": ("run.seed", "model.dtype", "data", "reward", "rollout", "algorithm", "train", "eval", "sync"),
+    "rlvr": ("run.seed", "model.dtype", "data", "reward", "rollout", "algorithm", "train", "eval", "sync",
+             "placement.rollout.replicas"),  # a step's prompts are split into at least one chunk per replica
 }
 
 

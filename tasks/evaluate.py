@@ -9,16 +9,22 @@ from tasks.common import TASK_DEFAULTS
 
 
 @task(name="evaluate", retries=1, **TASK_DEFAULTS)
-def evaluate(rollout_engine, reward_worker, rows: list[dict], sampling: SamplingParams,
+def evaluate(rollout_engines: list, reward_worker, rows: list[dict], sampling: SamplingParams,
              spec: ScoreSpec) -> tuple[float, list[dict]]:
-    """Accuracy of the rollout engine's completions on ``rows`` (held-out); returns ``(accuracy, samples)``."""
-    prompts = [row["prompt"] for row in rows]
-    columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
-    rollouts_ref = rollout_engine.generate.remote(prompts, sampling)
-    rewards_ref, stats_ref = reward_worker.score.options(num_returns=2).remote(rollouts_ref, prompts, columns, spec)
-    rollouts, rewards, stats = ray.get([rollouts_ref, rewards_ref, stats_ref])
+    """Accuracy of the rollout engines' completions on ``rows`` (held-out), split in contiguous parts over the
+    replicas; returns ``(accuracy, samples)``."""
+    parts = min(len(rollout_engines), len(rows))
+    bounds = [round(i * len(rows) / parts) for i in range(parts + 1)]
+    pieces = [rows[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+    generated = [engine.generate.remote([row["prompt"] for row in part], sampling)
+                 for engine, part in zip(rollout_engines, pieces)]
+    scored = [reward_worker.score.options(num_returns=2).remote(
+        ref, [row["prompt"] for row in part], {k: [row[k] for row in part] for k in part[0] if k != "prompt"}, spec)
+        for ref, part in zip(generated, pieces)]
+    rollouts, scored = ray.get(generated), [ray.get(refs) for refs in scored]  # scored: [(rewards, stats)]
     samples = [
-        {"prompt": p, "completion": c, "answer": str(row.get("answer")), "reward": float(r), "domain": spec.domain}
-        for p, c, row, r in zip(prompts, rollouts.completions, rows, rewards.tolist())
+        {"prompt": row["prompt"], "completion": c, "answer": str(row.get("answer")), "reward": float(r), "domain": spec.domain}
+        for part, out, (rewards, _) in zip(pieces, rollouts, scored)
+        for row, c, r in zip(part, out.completions, rewards.tolist())
     ]
-    return stats["correct"] / max(stats["n"], 1), samples
+    return sum(stats["correct"] for _, stats in scored) / max(sum(stats["n"] for _, stats in scored), 1), samples

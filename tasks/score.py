@@ -36,16 +36,18 @@ def _flat(pairs):
 
 
 @task(name="generate_and_score", retries=1, **TASK_DEFAULTS)
-def generate_and_score(rollout_engine, reward_workers: list, chunks: list[Chunk], overlap: bool,
+def generate_and_score(rollout_engines: list, reward_workers: list, chunks: list[Chunk], overlap: bool,
                        keep_groups: tuple[int, int] | None = None) -> ScoredRound:
-    """Generate every chunk and score it; with ``keep_groups = (group_size, room)`` also find the rows of
-    the first ``room`` groups whose rewards differ (dynamic sampling).
+    """Generate every chunk (chunk ``i`` on rollout replica ``i % len(rollout_engines)``) and score it; with
+    ``keep_groups = (group_size, room)`` also find the rows of the first ``room`` groups whose rewards
+    differ (dynamic sampling).
 
     With ``overlap`` each chunk's scoring is queued on a reward worker behind its own generation (Ray
     starts it when that chunk's rollouts exist), so rewards are computed while later chunks generate;
     without, scoring starts once the whole batch is generated. Sampling is seeded and rewards are pure,
     so a retry returns the same values."""
-    generated = [rollout_engine.generate.remote(c.prompts, c.sampling) for c in chunks]
+    generated = [rollout_engines[i % len(rollout_engines)].generate.remote(c.prompts, c.sampling)
+                 for i, c in enumerate(chunks)]
     if not overlap:
         ray.wait(generated, num_returns=len(generated), fetch_local=False)
     scored = [reward_workers[i % len(reward_workers)].score.options(num_returns=2).remote(ref, c.prompts, c.columns, c.score)

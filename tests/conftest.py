@@ -38,7 +38,8 @@ def ray_cluster():
 
     from flows.setup import worker_env_vars
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace="rollflow", log_to_driver=False,
+    # Four GPUs declared, none real: placement tests reserve them, and engines placed on them run on CPU.
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, namespace="rollflow", log_to_driver=False,
              runtime_env={"env_vars": worker_env_vars()})  # the workers' environment of a run's own Ray
     yield ray
     ray.shutdown()
