@@ -18,7 +18,8 @@ from typing import Any
 
 import ray
 
-from engines.backends import engine_class
+from engines.backends import backend_env, engine_class
+from engines.envs import engine_runtime_env
 
 NAMESPACE = "rollflow"
 
@@ -77,6 +78,9 @@ def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num
         if _responsive(handle, timeout_s=float(os.environ.get("ROLLFLOW_REATTACH_TIMEOUT_S", "600"))):
             return handle  # still busy with a dead driver's last call at worst: ours queue behind it
         _kill_named(name)
+    env = backend_env(kind)
+    if env is not None:  # a backend in its own venv: its actor runs that venv's Python
+        runtime_env = engine_runtime_env(env, runtime_env)
     cls = ray.remote(engine_class(kind))
     return cls.options(
         name=name,
@@ -136,3 +140,69 @@ def stop_engine(handle) -> None:
     except Exception:  # noqa: BLE001 - an actor that is dead or stuck is killed all the same
         pass
     ray.kill(handle, no_restart=True)
+
+
+class EngineFailure(RuntimeError):
+    """An engine actor died or stopped answering; the message is one line naming it, with its last log lines."""
+
+
+def get_from_engines(refs, engine_calls: list[tuple[Any, Any]], timeout_s: float):
+    """``ray.get(refs)`` within ``timeout_s``; when it fails because an engine of ``engine_calls`` (pairs of
+    actor handle and the ref of a call to it) died or hung, ``EngineFailure`` naming that engine instead.
+    A hung engine is killed, so the run's resume starts a fresh one."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
+        failure = _engine_failure(engine_calls, timeout_s, hung=isinstance(error, ray.exceptions.GetTimeoutError))
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _engine_failure(engine_calls: list[tuple[Any, Any]], timeout_s: float, hung: bool) -> EngineFailure | None:
+    for handle, ref in engine_calls:
+        ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+        if not ready:
+            if hung:
+                name, logs = _actor_name(handle), last_log_lines(handle)
+                ray.kill(handle, no_restart=True)
+                return EngineFailure(f"engine {name} did not answer within {timeout_s:.0f}s and was stopped; "
+                                     f"its last log lines: {logs}")
+            continue
+        try:
+            ray.get(ref, timeout=10)
+        except ray.exceptions.RayActorError as error:
+            cause = str(error).strip().splitlines()[0][:200]
+            return EngineFailure(f"engine {_actor_name(handle)} died ({cause}); its last log lines: "
+                                 f"{last_log_lines(handle)}")
+        except Exception:  # noqa: BLE001 - the call itself raised: not an engine failure
+            continue
+    return None
+
+
+def _actor_record(handle) -> dict:
+    return ray._private.state.actors(handle._actor_id.hex()) or {}
+
+
+def _actor_name(handle) -> str:
+    return _actor_record(handle).get("Name") or handle._actor_id.hex()
+
+
+def last_log_lines(handle, lines: int = 5) -> str:
+    """The last ``lines`` non-empty lines of the actor's stderr and stdout files on this node, joined by
+    `` | ``; says where they are when the actor ran on another node."""
+    import glob
+
+    pid = _actor_record(handle).get("Pid")
+    node = getattr(getattr(ray._private, "worker", None), "_global_node", None)
+    if not pid or node is None:
+        return "(no log: the actor's process is unknown)"
+    files = sorted(glob.glob(os.path.join(node.get_logs_dir_path(), f"worker-*-{pid}.err")) +
+                   glob.glob(os.path.join(node.get_logs_dir_path(), f"worker-*-{pid}.out")))
+    if not files:
+        return f"(no log on this node for pid {pid}: see the Ray logs of its node)"
+    tail = []
+    for file in files:
+        with open(file, errors="replace") as handle_file:
+            tail += [line.strip()[:200] for line in handle_file.readlines()[-200:] if line.strip()]
+    return " | ".join(tail[-lines:]) or "(empty)"

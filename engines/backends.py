@@ -13,12 +13,15 @@ import importlib
 import re
 
 BACKENDS: dict[str, dict[str, str]] = {
-    "rollout": {"hf": "engines.inference.hf:HFInferenceEngine"},
+    "rollout": {"hf": "engines.inference.hf:HFInferenceEngine", "vllm": "engines.inference.vllm:VLLMEngine"},
     "train": {"torch": "engines.training.torch:TorchTrainEngine"},
     "reference": {"torch": "engines.training.torch:ReferenceEngine"},
     "reward": {"worker": "engines.reward_worker:RewardWorker"},
 }
 """Role -> short name -> ``package.module:Class``. A role's short names are what its config key accepts."""
+
+ENVS: dict[str, str] = {"engines.inference.vllm:VLLMEngine": "vllm"}
+"""Backends whose actors run in their own virtualenv (``engines.envs``): class path -> env name."""
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 DOTTED_PATH = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*")
@@ -36,6 +39,12 @@ def check_backend(role: str, name: str) -> str:
     if not DOTTED_PATH.fullmatch(name):
         raise ValueError(f"{role} engine {name!r} is not a dotted path package.module:Class")
     return name
+
+
+def backend_env(kind: str) -> str | None:
+    """The ``engines.envs`` env that backend ``kind`` (``"<role>/<name>"``) runs in; None: the driver's."""
+    role, _, name = kind.partition("/")
+    return ENVS.get(check_backend(role, name)) if role in BACKENDS else None
 
 
 def engine_class(kind: str) -> type:

@@ -2,6 +2,7 @@
 
     rollflow run configs/quickstart.yaml run.dir=runs/demo run.seed=1
     rollflow validate configs/tiny.yaml rollout.group_size=4
+    rollflow env build vllm
 """
 
 from __future__ import annotations
@@ -152,14 +153,39 @@ def engines_list(run_name: str = typer.Argument("", help="only this run's engine
 
 @engines_app.command("stop")
 def engines_stop(run_name: str = typer.Argument(..., help="run whose engines to stop")) -> None:
-    """Stop a run's engine actors and free their memory (a later run of it loads the models again)."""
+    """Stop a run's engine actors and free their memory and GPUs (a later run of it loads the models again)."""
     _join_cluster()
     from engines.actors import run_actor_names, stop_named
+    from engines.placement import release_run
 
     names = run_actor_names(run_name)
     for name in names:
         stop_named(name)
+    release_run(run_name)  # the placement groups that held their GPUs
     typer.echo(f"stopped {len(names)} engine(s) of {run_name!r}")
+
+
+env_app = typer.Typer(no_args_is_help=True, help="Engines' own virtualenvs (vLLM pins other versions than the trainer).")
+app.add_typer(env_app, name="env")
+
+
+@env_app.command("build")
+def env_build(name: str = typer.Argument(..., help="the engine env to build: vllm"),
+              variant: str = typer.Option("", help="cpu or cuda; default: cuda where torch is a CUDA build"),
+              force: bool = typer.Option(False, help="rebuild even if the env exists")) -> None:
+    """Build (or find) an engine's venv from its pinned requirements, with the driver's torch, Ray and numpy."""
+    from engines.envs import ENVS, EnvError, build_env, check_env
+
+    if name not in ENVS:
+        typer.echo(f"unknown env {name!r}; known: {', '.join(sorted(ENVS))}", err=True)
+        raise typer.Exit(2)
+    try:
+        folder = build_env(name, variant or None, echo=lambda line: typer.echo(line, err=True), force=force)
+        check_env(name, str(folder / "bin" / "python"))
+    except EnvError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(str(folder / "bin" / "python"))
 
 
 def main() -> None:  # python -m flows.cli

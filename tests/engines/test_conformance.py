@@ -27,6 +27,7 @@ from engines.protocols import Env, RewardFn, RolloutEngine, ScoringEngine, Train
 from engines.rewards import Scored, get_reward, reward_names
 from engines.training.torch import OptimSpec
 from engines.types import SamplingParams, build_train_batch
+from remote_engines import ActorProxy
 
 
 @dataclass(frozen=True)
@@ -35,16 +36,34 @@ class Backend:
 
     kind: str  # "<role>/<name>", e.g. "rollout/hf" or "train/my_pkg.engine:MyTrainer"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    remote: bool = False  # runs in its own venv (engines.backends.ENVS): built as a Ray actor behind a proxy
 
     def make(self, model_dir: str):
+        if self.remote:
+            return ActorProxy(self.kind, model_dir, **self.kwargs)
         return engine_class(self.kind)(model_dir, **self.kwargs)
 
 
-ROLLOUT_BACKENDS = [Backend("rollout/hf")]
+ROLLOUT_BACKENDS = [Backend("rollout/hf"),
+                    pytest.param(Backend("rollout/vllm", remote=True), marks=[pytest.mark.ray, pytest.mark.vllm])]
 TRAIN_BACKENDS = [Backend("train/torch", {"optim": OptimSpec(lr=1e-3)})]
 SCORING_BACKENDS = [Backend("reference/torch"), *TRAIN_BACKENDS]
 
 PROMPTS = ["12+3=", "1+1=", "29+30=", "7+8="]
+
+
+@pytest.fixture(autouse=True)
+def _ray_for_remote_backends(request):
+    """Start the suite's Ray cluster for a test of a remote backend, and stop its actors after it."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if any(getattr(p, "remote", False) for p in params.values()):
+        request.getfixturevalue("ray_cluster")
+    yield
+    from engines.actors import run_actor_names, stop_named
+
+    if any(getattr(p, "remote", False) for p in params.values()):
+        for name in run_actor_names("conformance"):
+            stop_named(name)
 
 
 

