@@ -171,3 +171,20 @@ def test_a_placed_engine_runs_on_cpu_and_a_changed_placement_replaces_it(ray_clu
         stop_engine(moved)
     finally:
         (quarter or half).release()
+
+
+@pytest.mark.ray
+def test_rollflow_engines_stop_also_removes_the_runs_placement_groups(ray_cluster, monkeypatch):
+    import flows.cli as cli
+    from engines.placement import release_run, reserve, run_group_names
+
+    reserve(plan_placement({"trainer": RoleSpec(gpus=1)}), "place-cli", timeout_s=30)
+    reserve(plan_placement({"trainer": RoleSpec(gpus=1)}), "place-other", timeout_s=30)
+    monkeypatch.setattr(cli, "_join_cluster", lambda: None)  # this test's Ray is the cluster
+    try:
+        cli.engines_stop("place-cli")
+        assert run_group_names("place-cli") == []
+        assert len(run_group_names("place-other")) == 1  # another run's stay
+    finally:
+        release_run("place-cli")
+        release_run("place-other")
