@@ -156,3 +156,10 @@ def test_flat_params_cover_every_leaf():
     params = flat_params(load_config(PRESETS_DIR / "tiny.yaml"))
     assert params["rollout.group_size"] == "8"
     assert params["algorithm.kl.estimator"] == "k3"
+
+
+def test_quickstart_vllm_is_the_quickstart_with_vllm_rollouts():
+    # The two quickstarts are compared run for run (bench/RESULTS.md): only the engine and the run name differ.
+    vllm, hf = (flat_params(load_config(PRESETS_DIR / p)) for p in ("rlvr/quickstart_vllm.yaml", "quickstart.yaml"))
+    assert {key: vllm[key] for key in vllm.keys() | hf.keys() if vllm.get(key) != hf.get(key)} == {
+        "run.name": "quickstart-vllm", "rollout.engine": "vllm"}
