@@ -11,16 +11,17 @@ buffer. In one process (engines as plain objects) the receiver takes the trainer
 CUDA cannot open an IPC handle in the process that exported it.
 
 Lifetime: the buffer lives in the trainer until its layout changes, ``offload`` or ``close``, and is read
-only inside ``load_cuda_weights``, a call the sync waits for before the trainer trains again. CUDA IPC's
-own reader count (torch expects one reader per export and keeps a buffer that nobody opened alive after
-it is freed) is therefore released at export: freeing the buffer never waits for readers.
+only inside ``load_cuda_weights``, a call the sync waits for before the trainer trains again. So torch's
+reader count of a shared CUDA block is not used: it expects exactly one reader per export (a buffer that
+nobody opened stays allocated after it is freed; one opened twice underflows the unsigned count, the same).
+The trainer releases its count at export, and receivers get the name of a counter that does not exist, so
+their release (best effort in torch) changes nothing: freeing the buffer never waits for readers.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -31,7 +32,9 @@ from engines.weight_sync import TensorMeta, _meta, byte_views, node_id, tensors_
 
 ALIGN_BYTES = 256
 _EXPORTED: dict[str, weakref.ref] = {}  # token -> this process's exported buffer (the same-process path)
-_IPC_DEVICE_ARG = 6  # index of the device in reduce_tensor's rebuild arguments (rebuild_cuda_tensor's storage_device)
+# positions in reduce_tensor's rebuild arguments (torch.multiprocessing.reductions.rebuild_cuda_tensor)
+_IPC_STORAGE_CLS, _IPC_DEVICE, _IPC_COUNTER, _IPC_COUNTER_OFFSET = 4, 6, 11, 12
+_NO_COUNTER = b"/rollflow-no-reader-count"  # a shared-memory name nobody creates: receivers' releases are no-ops
 
 
 @dataclass(frozen=True)
@@ -54,17 +57,16 @@ def device_uuid(device: torch.device) -> str:
 
 
 def _share(buffer: torch.Tensor) -> tuple[Callable, tuple[Any, ...]]:
-    """``reduce_tensor(buffer)``, with the reader count it starts released (see the module docstring)."""
+    """``reduce_tensor(buffer)`` without torch's reader count (see the module docstring): the count it
+    starts is released here, and receivers are pointed at a counter that does not exist."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     rebuild, args = reduce_tensor(buffer)
-    storage_cls, counter_handle, counter_offset = args[4], args[11], args[12]
-    try:
-        storage_cls._release_ipc_counter(counter_handle, counter_offset, device=buffer.device)
-    except Exception as error:  # noqa: BLE001 - the weights still arrive; only freeing the buffer may wait
-        warnings.warn(f"CUDA IPC: could not release the reader count of the weight buffer ({error}); "
-                      "its memory is freed once a receiver has opened it", RuntimeWarning, stacklevel=2)
-    return rebuild, args
+    args = list(args)
+    storage_cls = args[_IPC_STORAGE_CLS]
+    storage_cls._release_ipc_counter(args[_IPC_COUNTER], args[_IPC_COUNTER_OFFSET], device=buffer.device)
+    args[_IPC_COUNTER], args[_IPC_COUNTER_OFFSET] = _NO_COUNTER, 0
+    return rebuild, tuple(args)
 
 
 class CudaWeightExporter:
@@ -130,7 +132,7 @@ def load_cuda_weights(model: torch.nn.Module, weights: CudaWeights | None) -> st
     else:
         rebuild, args = weights.ipc
         args = list(args)
-        args[_IPC_DEVICE_ARG] = device.index if device.index is not None else torch.cuda.current_device()
+        args[_IPC_DEVICE] = device.index if device.index is not None else torch.cuda.current_device()
         buffer = rebuild(*args)
     with torch.no_grad():
         for name, view in byte_views(buffer, weights.metas):

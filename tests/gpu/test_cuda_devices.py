@@ -10,7 +10,7 @@ from engines.algorithms import advantages, losses
 from engines.training.logprobs import pack_sequences
 from engines.training.updates import UpdateSpec, mini_batch_rows
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 B, L = 6, 7
 
 
