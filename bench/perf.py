@@ -3,6 +3,8 @@
     python bench/perf.py NAME          # one of BENCHMARKS; prints its figures, last line RESULT {json}
     python bench/run_all.py            # all six, one process each, then one line per benchmark
 
+(``bench/rollout_engines.py`` compares the vLLM and HF rollout engines, without a goal.)
+
 1. ``grpo_iter_vs_trl``: median seconds per GRPO iteration, RollFlow's flow (Prefect + Ray + MLflow) vs
    TRL ``GRPOTrainer``, same model/weights/tokenizer/prompts/group/max tokens/lr; bench and tiny sizes.
 2. ``time_to_accuracy_vs_trl``: quickstart task from one SFT checkpoint per size (SFT until held-out accuracy
@@ -76,7 +78,7 @@ def run_flow_metrics(config_path: str, overrides: list[str], no_op_task: bool = 
     wall = time.perf_counter() - started
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     keys = ("time/step", "time/evaluate", "perf/generate_compute_s", "perf/score_compute_s", "perf/train_compute_s",
-            "eval/heldout_accuracy")
+            "eval/heldout_accuracy", "time/sync_check")
     history = {k: {m.step: m.value for m in client.get_metric_history(result["mlflow_run_id"], k)} for k in keys}
     result = {"history": history, "wall_s": wall}
     if no_op_task:
