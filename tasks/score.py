@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import ray
 from prefect import task
 
+from engines.actors import get_from_engines
 from engines.scoring import ScoreSpec
 from engines.types import SamplingParams
 from tasks.common import TASK_DEFAULTS
@@ -37,7 +38,7 @@ def _flat(pairs):
 
 @task(name="generate_and_score", retries=1, **TASK_DEFAULTS)
 def generate_and_score(rollout_engines: list, reward_workers: list, chunks: list[Chunk], overlap: bool,
-                       keep_groups: tuple[int, int] | None = None) -> ScoredRound:
+                       keep_groups: tuple[int, int] | None = None, timeout_s: float = 1800.0) -> ScoredRound:
     """Generate every chunk (chunk ``i`` on rollout replica ``i % len(rollout_engines)``) and score it; with
     ``keep_groups = (group_size, room)`` also find the rows of the first ``room`` groups whose rewards
     differ (dynamic sampling).
@@ -45,14 +46,15 @@ def generate_and_score(rollout_engines: list, reward_workers: list, chunks: list
     With ``overlap`` each chunk's scoring is queued on a reward worker behind its own generation (Ray
     starts it when that chunk's rollouts exist), so rewards are computed while later chunks generate;
     without, scoring starts once the whole batch is generated. Sampling is seeded and rewards are pure,
-    so a retry returns the same values."""
-    generated = [rollout_engines[i % len(rollout_engines)].generate.remote(c.prompts, c.sampling)
-                 for i, c in enumerate(chunks)]
+    so a retry returns the same values. A rollout engine that dies, or takes longer than ``timeout_s``,
+    fails the task with ``EngineFailure`` naming it."""
+    engines = [rollout_engines[i % len(rollout_engines)] for i in range(len(chunks))]
+    generated = [engine.generate.remote(c.prompts, c.sampling) for engine, c in zip(engines, chunks)]
     if not overlap:
-        ray.wait(generated, num_returns=len(generated), fetch_local=False)
+        ray.wait(generated, num_returns=len(generated), timeout=timeout_s, fetch_local=False)
     scored = [reward_workers[i % len(reward_workers)].score.options(num_returns=2).remote(ref, c.prompts, c.columns, c.score)
               for i, (ref, c) in enumerate(zip(generated, chunks))]
-    stats = ray.get([stats_ref for _, stats_ref in scored])
+    stats = get_from_engines([stats_ref for _, stats_ref in scored], list(zip(engines, generated)), timeout_s)
     if len(chunks) == 1:
         rollouts_ref, rewards_ref = generated[0], scored[0][0]
     else:

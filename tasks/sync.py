@@ -3,6 +3,8 @@ from __future__ import annotations
 import ray
 from prefect import task
 
+from engines.actors import get_from_engines
+from engines.types import SamplingParams
 from tasks.common import TASK_DEFAULTS
 
 
@@ -33,3 +35,18 @@ def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: i
     if bad:
         raise WeightSyncError(f"weight sync v{version}: rollout engines {bad} hold other weights than the trainer")
     return expected
+
+
+@task(name="measure_drift", retries=1, **TASK_DEFAULTS)
+def measure_drift(train_engine, rollout_engines: list, reward_worker, prompts: list[str], sampling: SamplingParams,
+                  pad_token_id: int, timeout_s: float) -> dict[str, float]:
+    """Check a sync by behaviour: every rollout engine samples one completion per prompt, the trainer scores
+    the same tokens, and ``sync/logprob_drift_max`` / ``_mean`` are the largest and mean gap between the
+    two log-probs over all engines (float rounding after a right sync; a stale or half-loaded weight shows
+    as a gap far above it)."""
+    generated = [engine.generate.remote(prompts, sampling) for engine in rollout_engines]
+    drifts = get_from_engines(
+        [reward_worker.logprob_drift.remote(ref, train_engine.rollout_logprobs.remote(ref), pad_token_id)
+         for ref in generated], list(zip(rollout_engines, generated)), timeout_s)
+    return {"sync/logprob_drift_max": max(d["max"] for d in drifts),
+            "sync/logprob_drift_mean": sum(d["mean"] for d in drifts) / len(drifts)}

@@ -21,14 +21,15 @@ os.environ.pop("RAY_ADDRESS", None)
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny Qwen2 model + tokenizer trained on arithmetic text, saved in HF format."""
+    """A tiny Qwen2 model + tokenizer trained on arithmetic text, saved in HF format. Heads of 32 dims:
+    the smallest vLLM's CPU attention kernels take."""
     from engines.data.arithmetic import arithmetic_corpus, make_arithmetic_splits
     from engines.models import TinyModelSpec, build_tiny_model
 
     train, _ = make_arithmetic_splits(num_train=300, num_heldout=20, max_operand=30, seed=0)
     out = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny_model(out, arithmetic_corpus(train), TinyModelSpec(hidden_size=64, num_layers=2, num_heads=4,
-                                                                   num_kv_heads=2, intermediate_size=128), seed=0)
+    build_tiny_model(out, arithmetic_corpus(train), TinyModelSpec(hidden_size=64, num_layers=2, num_heads=2,
+                                                                   num_kv_heads=1, intermediate_size=128), seed=0)
     return str(out)
 
 

@@ -25,27 +25,29 @@ OVERRIDES = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep=1", 
              "run.name=resume", "algorithm.entropy_coef=0.01", "algorithm.kl.coef=0.01"]
 
 
-def _cli(run_dir: Path, prefect_home: Path) -> subprocess.Popen:
+def _cli(run_dir: Path, prefect_home: Path, overrides: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PYTHONUNBUFFERED": "1"}
     env.pop("PREFECT_API_URL", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"run.dir={run_dir}", *OVERRIDES],
+        [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"run.dir={run_dir}", *overrides],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
 
 
-def test_kill_and_resume_matches_uninterrupted_run(tmp_path, ray_cluster, prefect_server):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_kill_and_resume_matches_uninterrupted_run(engine, tmp_path, ray_cluster, prefect_server):
     from mlflow.tracking import MlflowClient
 
     from flows.pipeline import run_flow
 
+    overrides = [*OVERRIDES, f"rollout.engine={engine}"]
     # 1. the run that is never interrupted (in this process, on the shared Ray + Prefect fixtures)
     straight = tmp_path / "straight"
-    run_flow(load_config("configs/tiny.yaml", [f"run.dir={straight}", *OVERRIDES]))
+    run_flow(load_config("configs/tiny.yaml", [f"run.dir={straight}", *overrides]))
 
     # 2. the same command in a subprocess, SIGKILLed (with its whole process group) after a checkpoint
     resumed = tmp_path / "resumed"
-    proc = _cli(resumed, tmp_path / "prefect")
+    proc = _cli(resumed, tmp_path / "prefect", overrides)
     manifest = resumed / "checkpoints" / "step_000002" / "MANIFEST.json"
     deadline = time.monotonic() + 300
     while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -57,7 +59,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, ray_cluster, prefec
     run_id = (resumed / "run.json").read_text()
 
     # 3. rerun the same command: resumes from step 2 and finishes
-    proc = _cli(resumed, tmp_path / "prefect")
+    proc = _cli(resumed, tmp_path / "prefect", overrides)
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-3000:]
     assert (resumed / "run.json").read_text() == run_id  # same MLflow run
@@ -83,6 +85,6 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path, ray_cluster, prefec
         assert {m.step: m.value for m in history} == pytest.approx(reference, rel=1e-6), key
 
     # 4. a finished run says so and exits 0
-    proc = _cli(resumed, tmp_path / "prefect")
+    proc = _cli(resumed, tmp_path / "prefect", overrides)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "already finished" in output

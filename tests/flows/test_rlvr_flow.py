@@ -44,6 +44,8 @@ def test_two_step_flow(tmp_path, ray_cluster, prefect_server):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2], key
     evals = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/heldout_accuracy"))
     assert evals == [0, 1, 2]  # before the first step, then every step
+    drift = client.get_metric_history(run.info.run_id, "sync/logprob_drift_max")
+    assert [m.step for m in drift] == [1, 2] and all(m.value < 1e-4 for m in drift)  # each sync checked
     assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/nll")] == [1, 2, 3]
     for key in run.data.metrics:  # SFT and RL streams never write the same key at the same step
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
