@@ -165,7 +165,8 @@ def check_cuda_ipc_across_processes(models: dict[str, str]) -> str:
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-2000:]
     before, received, version = lines[-1].split()[1:]
-    assert before != handles.checksum and received == handles.checksum and version == "7"
+    assert before != handles.checksum and received == handles.checksum and version == "7", (
+        f"receiver held {before}, received {received} (v{version}); the trainer exported {handles.checksum}")
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated()
     trainer.offload()
