@@ -50,3 +50,21 @@ def measure_drift(train_engine, rollout_engines: list, reward_worker, prompts: l
          for ref in generated], list(zip(rollout_engines, generated)), timeout_s)
     return {"sync/logprob_drift_max": max(d["max"] for d in drifts),
             "sync/logprob_drift_mean": sum(d["mean"] for d in drifts) / len(drifts)}
+
+
+@task(name="set_memory_phase", retries=1, **TASK_DEFAULTS)
+def set_memory_phase(rollout_engines: list, train_engines: list, phase: str) -> None:
+    """Colocated roles take turns on their GPUs (``placement.colocate``): ``generate`` offloads the training
+    engines, then wakes the rollout engines; ``train`` puts the rollout engines to sleep, then reloads the
+    training engines; ``sync`` wakes the rollout engines beside the loaded trainer, for the weight sync.
+    Memory is freed before it is taken. Each call is idempotent, so one retry is allowed."""
+    if phase == "generate":
+        ray.get([engine.offload.remote() for engine in train_engines])
+        ray.get([engine.wake.remote() for engine in rollout_engines])
+    elif phase == "train":
+        ray.get([engine.sleep.remote() for engine in rollout_engines])
+        ray.get([engine.reload.remote() for engine in train_engines])
+    elif phase == "sync":
+        ray.get([engine.wake.remote() for engine in rollout_engines])
+    else:
+        raise ValueError(f"unknown memory phase {phase!r}: generate, train or sync")

@@ -71,3 +71,13 @@ def s3_server():
 
     with start() as (client, env):
         yield client, env
+
+
+def pytest_collection_finish(session):
+    """Build the vLLM engine's venv before the first test that needs it (minutes the first time, then
+    cached under ~/.cache/rollflow/envs), outside any test's timeout, with a progress line per step."""
+    if any(item.get_closest_marker("vllm") for item in session.items):
+        from engines.envs import env_python
+
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        env_python("vllm", echo=reporter.write_line if reporter else print)

@@ -26,7 +26,7 @@ def test_registered_short_names_resolve():
 
 
 def test_unknown_short_name_lists_the_registered_ones():
-    with pytest.raises(ConfigError, match=r"rollout\.engine: unknown rollout engine 'vlm'; registered: hf "
+    with pytest.raises(ConfigError, match=r"rollout\.engine: unknown rollout engine 'vlm'; registered: hf, vllm "
                                           r"\(or a class by dotted path, package\.module:Class\)"):
         load_config(None, ["rollout.engine=vlm"])
     with pytest.raises(ConfigError, match=r"train\.engine: unknown train engine 'hf'; registered: torch"):

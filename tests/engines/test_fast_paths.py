@@ -210,8 +210,10 @@ def test_packed_train_step_matches_padded(tiny_model_dir):
     metrics = [e.train_step(batch, SFTObjective()) for e in engines]
     assert abs(metrics[0]["sft/nll"] - metrics[1]["sft/nll"]) < 1e-5
     assert abs(metrics[0]["train/grad_norm"] - metrics[1]["train/grad_norm"]) < 1e-4
+    # AdamW's first step moves each weight by about lr * g / |g|: float rounding of a near-zero gradient
+    # can move its weight by a small fraction of lr (1e-4 here is 1% of lr = 1e-2), never by a whole step
     for (name, a), (_, b) in zip(engines[0].model.named_parameters(), engines[1].model.named_parameters()):
-        assert (a - b).abs().max() < 1e-5, name
+        assert (a - b).abs().max() < 1e-4, name
 
 
 def test_shared_prompt_train_step_matches_padded(tiny_model_dir):
