@@ -143,7 +143,7 @@ def test_cuda_ipc_sync_answers_none_off_cuda(tiny_model_dir):
 
 def test_weight_sync_runs_without_xxhash_and_ray():
     """The bare GPU host of tests/gpu/run.sh may lack both: checksums fall back to BLAKE2b-128 through the
-    same calls and the node is "local"."""
+    same calls, marked so they are never taken for XXH3 ones, and the node is "local"."""
     script = """
 import sys
 sys.modules["xxhash"] = None  # an import of either raises ImportError
@@ -157,5 +157,5 @@ print(node_id(), tensors_checksum([("w", torch.arange(4, dtype=torch.int32))]))
     # by hand: the combined digest hashes "name:dtype:shape:" then the tensor's own 16-byte digest
     data = torch.arange(4, dtype=torch.int32).numpy().tobytes()
     inner = hashlib.blake2b(data, digest_size=16).digest()
-    expected = hashlib.blake2b(b"w:torch.int32:(4,):" + inner, digest_size=16).hexdigest()
+    expected = "blake2b:" + hashlib.blake2b(b"w:torch.int32:(4,):" + inner, digest_size=16).hexdigest()
     assert out == ["local", expected]
