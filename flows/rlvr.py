@@ -27,18 +27,18 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 
 from configs.placement import PlacementConfig
 from configs.schema import Config
-from flows.setup import domain_rewards, final_dir, load_domains
+from flows.setup import domain_rewards, final_dir, load_domains, reserve_placement
 from flows.stages import stage_key
 from flows.progress import StageProgress
 from flows.tracking import RunTracker
 from engines import checkpoint_store as store
-from engines.actors import describe, joined_cluster, run_actor_names, start_engine, stop_engine, stop_named
+from engines.actors import describe, run_actor_names, start_engine, stop_engine, stop_named
 from engines.algorithms.kl import adaptive_kl_coef
 from engines.algorithms.objective import PolicyObjective, ValueObjective
 from engines.algorithms.advantages import GROUP_ESTIMATORS
 from engines.algorithms.shaping import RunningMoments, ShapingSpec
 from engines.data.domains import draw
-from engines.placement import ROLES, Reservation, RoleSpec, plan_placement, reserve
+from engines.placement import Reservation
 from engines.rewards.failures import RewardFailureMonitor, failures_by_domain
 from engines.batches import AdvantageSpec
 from engines.scoring import ScoreSpec, summarize
@@ -101,7 +101,9 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         trainable["gradient_checkpointing"] = True
     temperature = config.rollout.temperature
     judge_path = judge_model_path(domains, model_path)
-    placement = reserve_placement(config, judge=judge_path is not None)
+    optional = {"reference": config.algorithm.kl.coef > 0, "critic": config.algorithm.advantage == "gae",
+                "judge": judge_path is not None}
+    placement = reserve_placement(config, {"rollout", "trainer", "reward", *(role for role, on in optional.items() if on)})
     where = placement.options
     optim = OptimSpec(**config.train.optim.model_dump(), total_steps=optimizer_steps(config, "policy"))
     roles = rollout_roles((config.placement or PlacementConfig()).rollout.replicas)
@@ -141,18 +143,6 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
 def rollout_roles(replicas: int) -> list[str]:
     """Role names of the rollout replicas: ``rollout`` alone, else ``rollout-0``, ``rollout-1``, …"""
     return ["rollout"] if replicas == 1 else [f"rollout-{i}" for i in range(replicas)]
-
-
-def reserve_placement(config: Config, judge: bool) -> Reservation:
-    """The placement groups of the roles this run starts (``placement``; none without GPUs or without the
-    section, and then every engine is scheduled on CPU as one actor per role, reward workers aside)."""
-    section = config.placement or PlacementConfig()
-    started = {"rollout": True, "trainer": True, "reference": config.algorithm.kl.coef > 0,
-               "critic": config.algorithm.advantage == "gae", "reward": True, "judge": judge}
-    roles = {role: RoleSpec(config.reward.workers if role == "reward" else getattr(section, role).replicas,
-                            getattr(section, role).gpus) for role in ROLES if started[role]}
-    return reserve(plan_placement(roles, section.colocate), config.run.name, section.timeout_s,
-                   detached=joined_cluster())
 
 
 def optimizer_steps(config: Config, role: str) -> int:

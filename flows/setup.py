@@ -7,9 +7,11 @@ from pathlib import Path
 
 import ray
 
+from configs.placement import PlacementConfig
 from configs.schema import Config
 from engines import checkpoint_store as store
-from engines.actors import NAMESPACE
+from engines.actors import NAMESPACE, joined_cluster
+from engines.placement import ROLES, Reservation, RoleSpec, plan_placement, reserve
 
 
 # libgomp's idle OpenMP workers spin for GOMP_SPINCOUNT rounds after each parallel region before they sleep;
@@ -42,6 +44,16 @@ def ensure_ray() -> None:
         configure_logging=verbose,
         runtime_env={"env_vars": worker_env_vars()},
     )
+
+
+def reserve_placement(config: Config, roles: set[str]) -> Reservation:
+    """The placement groups of ``roles``, those a stage starts (``placement``; none without GPUs or without
+    the section: every engine then runs on CPU, one actor per role and per reward worker)."""
+    section = config.placement or PlacementConfig()
+    specs = {role: RoleSpec(config.reward.workers if role == "reward" else getattr(section, role).replicas,
+                            getattr(section, role).gpus) for role in ROLES if role in roles}
+    return reserve(plan_placement(specs, section.colocate), config.run.name, section.timeout_s,
+                   detached=joined_cluster())
 
 
 # Settings of the temporary server that ``start_prefect_server`` starts, by (service, field); a value the

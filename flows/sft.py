@@ -13,7 +13,7 @@ from __future__ import annotations
 from prefect import flow
 
 from configs.schema import Config
-from flows.setup import load_rows, sft_dir
+from flows.setup import load_rows, reserve_placement, sft_dir
 from flows.stages import stage_key
 from flows.progress import StageProgress
 from flows.tracking import RunTracker
@@ -37,9 +37,11 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
     options = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
     if config.train.gradient_checkpointing:
         options["gradient_checkpointing"] = True
+    placement = reserve_placement(config, {"trainer"})  # the trainer's GPUs of ``placement``
     trainer = start_engine("train/torch", run_name=config.run.name, role="sft-trainer", reuse=False, model_path=model_path,
                            optim=optim, dtype=config.model.dtype, seed=config.run.seed,
-                           torch_threads=config.run.torch_threads, micro_batch_size=sft.micro_batch_size, **options)
+                           torch_threads=config.run.torch_threads, micro_batch_size=sft.micro_batch_size,
+                           **placement.options("trainer"), **options)
     objective = SFTObjective()
     progress = StageProgress("sft", sft.steps, keys=("sft/nll",))
     position = 0
@@ -56,4 +58,5 @@ def sft_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: 
     save_model(trainer, out, sft.steps, {"mlflow_run_id": mlflow_run_id, "stage": "sft", "step": sft.steps},
                key=stage_key(config, "sft", model_path))
     stop_engine(trainer)
+    placement.release()
     return out
