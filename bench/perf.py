@@ -78,7 +78,7 @@ def run_flow_metrics(config_path: str, overrides: list[str], no_op_task: bool = 
     wall = time.perf_counter() - started
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     keys = ("time/step", "time/evaluate", "perf/generate_compute_s", "perf/score_compute_s", "perf/train_compute_s",
-            "eval/heldout_accuracy", "time/sync_check")
+            "eval/heldout_accuracy")
     history = {k: {m.step: m.value for m in client.get_metric_history(result["mlflow_run_id"], k)} for k in keys}
     result = {"history": history, "wall_s": wall}
     if no_op_task:

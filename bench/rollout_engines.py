@@ -10,8 +10,7 @@
    fixed cost per call, and ``(call - that) / (longest row - 1)`` its cost per decoding step.
 2. GRPO s/iter of the real flow (Prefect + Ray + MLflow, ``configs/tiny.yaml`` on the size's model, as in
    ``perf.py grpo_iter_vs_trl``) with ``rollout.engine=hf`` and ``vllm``: the median over steps after the
-   first (each step includes the sync's drift check, `sync.drift_prompts`, printed apart). Each flow runs in a
-   process of its own.
+   first. Each flow runs in a process of its own.
 
 The engines run one at a time: the HF actor is stopped before the vLLM one starts.
 """
@@ -97,11 +96,10 @@ def iteration_times(models: dict[str, str]) -> dict:
             history = flow["history"]
             ours, steps = _overhead(history), sorted(history["time/step"])[1:]
             generate = median(history["perf/generate_compute_s"][s] for s in steps)
-            sync_check = median(history["time/sync_check"].get(s, 0.0) for s in steps)
-            out[size][kind] = {"step_s": ours["step_s"], "generate_compute_s": generate, "sync_check_s": sync_check,
+            out[size][kind] = {"step_s": ours["step_s"], "generate_compute_s": generate,
                                "overhead_share": ours["overhead_share"], "wall_s": flow["wall_s"]}
-            print(f"{size:>6} {kind:>4}: {ours['step_s']:.3f} s/iter (generation {generate:.3f} s, the sync's drift "
-                  f"check {sync_check:.3f} s), flow wall {flow['wall_s']:.0f} s", flush=True)
+            print(f"{size:>6} {kind:>4}: {ours['step_s']:.3f} s/iter (generation {generate:.3f} s), "
+                  f"flow wall {flow['wall_s']:.0f} s", flush=True)
         out[size]["ratio"] = out[size]["vllm"]["step_s"] / out[size]["hf"]["step_s"]
         print(f"{size:>6}: GRPO s/iter vLLM/HF {out[size]['ratio']:.3f}", flush=True)
     return out

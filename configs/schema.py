@@ -518,10 +518,6 @@ class TrackingConfig(Section):
 class SyncConfig(Section):
     bucket_mb: int = Field(64, gt=0)
     """Weight sync bucket size in MiB."""
-    drift_prompts: int = Field(4, ge=0)
-    """After each sync, the rollout engines sample one completion for this many of the step's prompts and the
-    trainer scores the same tokens: sync/logprob_drift_max and _mean are the largest and mean gap of the two
-    log-probs (near float rounding when the sync is right). 0 = off."""
 
 
 class Config(Section):

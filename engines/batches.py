@@ -94,14 +94,3 @@ def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
         response_turn_index=joined(Rollouts.turn_index) if multi_turn else None,
     )
 
-
-def logprob_drift(rollouts: Rollouts, trainer_logprobs: torch.Tensor, pad_token_id: int) -> dict[str, float]:
-    """How far a rollout engine's sampled-token log-probs are from a trainer's at the same weights:
-    ``max`` and ``mean`` of ``|log π_train(y_t) − log π_rollout(y_t)|`` over the model's tokens.
-
-    ``trainer_logprobs`` is the trainer's ``rollout_logprobs(rollouts)`` ``[B, L]``; near float rounding
-    (1e-6 in fp32) after a correct weight sync, far above it when a sync left weights stale."""
-    batch = build_train_batch(rollouts, pad_token_id)
-    mask = batch.loss_mask
-    gap = (trainer_logprobs.to(mask.device).float() - batch.tensors["rollout_logprobs"].float()).abs() * mask
-    return {"max": float(gap.max()), "mean": float(gap.sum() / mask.sum().clamp(min=1))}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engines.algorithms.shaping import refill_rows
-from engines.batches import AdvantageSpec, advantage_batch, concat_rollouts, logprob_drift
+from engines.batches import AdvantageSpec, advantage_batch, concat_rollouts
 from engines.rewards import warm_up
 from engines.scoring import ScoreSpec, score_rollouts
 from engines.types import Rollouts
@@ -38,10 +38,6 @@ class RewardWorker:
         rollouts, rewards = list(parts[0::2]), list(parts[1::2])
         rows = [list(range(len(r))) if idx is None else idx for r, idx in zip(rewards, rows)]
         return concat_rollouts(rollouts, rows), torch.cat([r[idx] for r, idx in zip(rewards, rows)])
-
-    def logprob_drift(self, rollouts: Rollouts, trainer_logprobs: torch.Tensor, pad_token_id: int) -> dict[str, float]:
-        """``engines.batches.logprob_drift``: the sync check's gap between trainer and rollout log-probs."""
-        return logprob_drift(rollouts, trainer_logprobs, pad_token_id)
 
     def informative_rows(self, rewards: torch.Tensor, group_size: int, room: int) -> list[int]:
         """Rows of the first ``room`` groups whose rewards are not all equal (dynamic sampling)."""

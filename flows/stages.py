@@ -53,7 +53,6 @@ SAFE_CHANGES = frozenset({
     "reward.workers",          # how scoring is spread over processes: a reward depends only on its sample
     "reward.concurrency",
     "sync.bucket_mb",          # the size of the weight transfers, not the weights
-    "sync.drift_prompts",      # a sync check's sample: its own seed, its tokens never trained on
     "rollout.timeout_s",       # how long a hung engine is waited for
     "rollout.vllm.gpu_memory_utilization",  # memory vLLM takes, not what it computes
     "rollout.vllm.cpu_kv_cache_gib",

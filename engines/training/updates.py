@@ -81,27 +81,57 @@ def combine(metrics: list[dict[str, float]], weights: Iterable[float] | None = N
     return {k: v / total[k] if k in total and total[k] else v for k, v in out.items()}
 
 
+class DriftMeter:
+    """How far the trainer's log-probs are from the rollout engine's on the tokens it sampled, before the
+    first optimizer step after a weight sync, when both hold the same weights: ``sync/logprob_drift_max``
+    and ``sync/logprob_drift_mean`` of ``|log π_train(y_t) − log π_rollout(y_t)|`` over the model's tokens.
+    Float rounding (~1e-6 in fp32) after a right sync; a stale or half-loaded weight shows far above it.
+    It costs no forward pass: the logprobs are the first step's own."""
+
+    def __init__(self) -> None:
+        self.max, self.sum, self.tokens = 0.0, 0.0, 0.0
+
+    def add(self, inputs: dict[str, torch.Tensor], micro: TrainBatch) -> None:
+        rollout = micro.tensors.get("rollout_logprobs")
+        if "logprobs" not in inputs or rollout is None:
+            return  # a critic, or a batch without sampled tokens (SFT)
+        mask = micro.loss_mask
+        gap = (inputs["logprobs"].detach().float() - rollout.float()).abs() * mask
+        self.max = max(self.max, float(gap.max()))
+        self.sum, self.tokens = self.sum + float(gap.sum()), self.tokens + float(mask.sum())
+
+    def metrics(self) -> dict[str, float]:
+        if not self.tokens:
+            return {}
+        return {"sync/logprob_drift_max": self.max, "sync/logprob_drift_mean": self.sum / self.tokens}
+
+
 SUMMED = frozenset({"train/loss", "actor/pg_loss"})
 """Metrics a micro-batch reports for the whole (mini-)batch already scaled by its weight: summed, not averaged."""
 
 
 def optimizer_step(batch: TrainBatch, loss_fn: Callable, *, forward: Callable[[TrainBatch], dict],
                    parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                   scheduler, micro_batch_size: int, grad_clip: float) -> dict[str, float]:
+                   scheduler, micro_batch_size: int, grad_clip: float, measure_drift: bool = False) -> dict[str, float]:
     """One optimizer step over ``batch`` in micro-batches of ``micro_batch_size`` rows.
 
     Rows the objective shows to have no gradient (``loss_fn.rows_with_gradient``: zero-advantage rows)
     are not computed; the loss and the gradient stay those of the whole batch, since each micro-batch
     carries its share of it (``loss_fn.micro_weight``), and the other metrics (clip fraction, entropy, …)
-    are means over the rows computed."""
+    are means over the rows computed. With ``measure_drift`` (the first step after a weight sync) also
+    ``sync/logprob_drift_*`` of the rows computed (``DriftMeter``)."""
     optimizer.zero_grad(set_to_none=True)
     rows = getattr(loss_fn, "rows_with_gradient", lambda _: None)(batch)
     computed = batch if rows is None else batch.select(rows)
     sums: dict[str, float] = {}
     entries, weights = [], []
+    drift = DriftMeter() if measure_drift else None
     for micro in computed.micro_batches(micro_batch_size):
         weight = loss_fn.micro_weight(micro, batch)  # the share of the whole batch: skipped rows add 0
-        loss, metrics = loss_fn(**forward(micro), batch=micro)
+        inputs = forward(micro)
+        if drift is not None:
+            drift.add(inputs, micro)
+        loss, metrics = loss_fn(**inputs, batch=micro)
         (loss * weight).backward()
         metrics["train/loss"] = float(loss.detach())
         for key in SUMMED & metrics.keys():
@@ -110,6 +140,8 @@ def optimizer_step(batch: TrainBatch, loss_fn: Callable, *, forward: Callable[[T
         weights.append(weight)
     totals = {**combine(entries, weights), **sums}
     totals["train/skipped_rows"] = float(len(batch) - len(computed))
+    if drift is not None:
+        totals.update(drift.metrics())
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
     totals["train/lr"] = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -128,7 +160,8 @@ def run_updates(batch: TrainBatch, loss_fn: Callable, spec: UpdateSpec, **step_k
     steps = []
     for _ in range(spec.epochs):
         for rows in mini_batch_rows(len(batch), batch.group_ids, spec, generator):
-            steps.append(optimizer_step(batch if rows is None else batch.select(rows), loss_fn, **step_kwargs))
+            steps.append(optimizer_step(batch if rows is None else batch.select(rows), loss_fn,
+                                        measure_drift=not steps, **step_kwargs))
     totals = combine(steps)
     totals["train/skipped_rows"] = sum(s["train/skipped_rows"] for s in steps) / spec.epochs
     totals["train/optimizer_steps"] = float(len(steps))

@@ -1,5 +1,5 @@
 """A rollout engine that dies or hangs fails the call in one line naming it, with its last log lines; a
-hung one is stopped. And the sync check's drift measure."""
+hung one is stopped."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ import time
 
 import pytest
 import ray
-import torch
-
 from engines.actors import EngineFailure, describe, get_from_engines, start_engine
-from engines.batches import logprob_drift
-from engines.types import Rollouts, SamplingParams
+from engines.types import SamplingParams
 
 
 @pytest.mark.ray
@@ -52,16 +49,3 @@ def test_an_error_raised_by_the_call_itself_passes_through(tiny_model_dir, ray_c
     with pytest.raises(RuntimeError, match="without begin_update"):
         get_from_engines([engine_ref], [(engine, engine_ref)], timeout_s=60)
 
-
-def test_logprob_drift_is_the_gap_over_model_tokens():
-    # two rows, prompt [5, 6] then 2 and 1 sampled tokens; rollout logprobs vs a trainer off by 0.1 and 0.3
-    rollouts = Rollouts(prompt_ids=[[5, 6], [5, 6]], response_ids=torch.tensor([[7, 8], [9, 0]]),
-                        logprobs=torch.tensor([[-1.0, -2.0], [-0.5, 0.0]]), response_lengths=torch.tensor([2, 1]),
-                        finish_reasons=["length", "stop"], completions=["", ""], weights_version=0)
-    trainer = torch.zeros(2, 4)  # [B, L]: logprob of token t given those before, aligned like the batch
-    trainer[0, 2:4] = torch.tensor([-1.1, -2.0])
-    trainer[1, 2] = -0.2
-    trainer[1, 3] = 99.0  # past the response: padding, never counted
-    drift = logprob_drift(rollouts, trainer, pad_token_id=0)
-    assert drift["max"] == pytest.approx(0.3)
-    assert drift["mean"] == pytest.approx((0.1 + 0.0 + 0.3) / 3)

@@ -95,6 +95,29 @@ def test_two_mini_batch_update_worked_by_hand():
     assert theta == pytest.approx(0.1) and metrics["actor/clipfrac"] == 0.5
 
 
+def test_drift_is_measured_before_the_first_optimizer_step_only():
+    # θ = 0 and rollout logprobs -0.05 (row 0) and +0.2 (row 1) on the one response token each: before any
+    # step the gaps are 0.05 and 0.2. The second mini-batch sees θ = 0.1 and is not measured: a gap of
+    # the synced weights, not of weights the first step already moved.
+    model = _Scalar()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    batch = _two_row_batch()
+    batch.tensors["rollout_logprobs"] = torch.tensor([[9.0, -0.05], [9.0, 0.2]])  # column 0 is prompt: masked
+    objective = PolicyObjective(policy_loss="ppo_clip", agg="token-mean")
+    gaps = {0: 0.05, 1: 0.2}
+    for mini_batches in (1, 2):
+        model.theta.data.zero_()
+        spec = UpdateSpec(mini_batches=mini_batches, seed=0)
+        metrics = run_updates(batch, objective, spec, forward=model, parameters=list(model.parameters()),
+                              optimizer=optimizer, scheduler=scheduler, micro_batch_size=8, grad_clip=1e9)
+        first = mini_batch_rows(2, batch.group_ids, spec, torch.Generator().manual_seed(0))[0]
+        measured = [gaps[row] for row in ([0, 1] if first is None else first.tolist())]
+        assert len(measured) == 3 - mini_batches  # both rows in one step; the first step's row of two
+        assert metrics["sync/logprob_drift_max"] == pytest.approx(max(measured))
+        assert metrics["sync/logprob_drift_mean"] == pytest.approx(sum(measured) / len(measured))
+
+
 PROMPTS, TARGETS = ["12+3=", "1+1=", "29+30=", "7+8=", "3+4=", "10+10=", "5+6=", "2+2="], ["15", "2", "59", "15", "7", "20", "11", "4"]
 
 

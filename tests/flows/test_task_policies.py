@@ -16,7 +16,6 @@ import tasks
 
 NEVER_RETRIED = {"train", "sft_train", "checkpoint", "restore", "save_model", "compute_advantages"}
 MAY_RETRY = {"generate_and_score", "evaluate", "join_rounds", "rollout_samples",  # pure: seeded sampling, deterministic rewards
-             "measure_drift",  # pure: seeded sampling scored by the trainer, nothing trained
              "sync_weights", "set_memory_phase"}  # idempotent: the same weights and version again (checked by
                                                   # checksum); offload/sleep and reload/wake of what already moved do nothing
 
