@@ -111,19 +111,14 @@ class CudaWeightExporter:
             torch.cuda.empty_cache()
 
 
-def load_cuda_weights(model: torch.nn.Module, weights: CudaWeights | None) -> str | None:
-    """Copy the exported tensors into ``model``'s parameters of the same names, device to device; returns
-    the new ``weights_checksum``, or None when the buffer is not reachable from here (no handles, a model
-    not on CUDA, another node or another GPU), so the caller sends the weights another way."""
-    device = next(model.parameters()).device
-    if (weights is None or device.type != "cuda" or weights.node_id != node_id()
-            or weights.device_uuid != device_uuid(device)):
-        return None
-    params = dict(model.named_parameters())
-    names = [meta.name for meta in weights.metas]
-    if set(names) != set(params):
-        raise ValueError(f"CUDA weights v{weights.version} do not match the receiving model: "
-                         f"missing={sorted(set(params) - set(names))} unexpected={sorted(set(names) - set(params))}")
+def reachable(weights: CudaWeights | None, device: torch.device) -> bool:
+    """Whether ``weights`` lie on ``device``'s physical GPU, on this node."""
+    return (weights is not None and device.type == "cuda" and weights.node_id == node_id()
+            and weights.device_uuid == device_uuid(device))
+
+
+def open_cuda_weights(weights: CudaWeights, device: torch.device) -> torch.Tensor:
+    """The trainer's export buffer, mapped on ``device`` (``reachable`` first); drop it to close the mapping."""
     if weights.pid == os.getpid():
         buffer = _EXPORTED.get(weights.token, lambda: None)()
         if buffer is None:
@@ -134,6 +129,22 @@ def load_cuda_weights(model: torch.nn.Module, weights: CudaWeights | None) -> st
         args = list(args)
         args[_IPC_DEVICE] = device.index if device.index is not None else torch.cuda.current_device()
         buffer = rebuild(*args)
+    return buffer
+
+
+def load_cuda_weights(model: torch.nn.Module, weights: CudaWeights | None) -> str | None:
+    """Copy the exported tensors into ``model``'s parameters of the same names, device to device; returns
+    the new ``weights_checksum``, or None when the buffer is not reachable from here (no handles, a model
+    not on CUDA, another node or another GPU), so the caller sends the weights another way."""
+    device = next(model.parameters()).device
+    if not reachable(weights, device):
+        return None
+    params = dict(model.named_parameters())
+    names = [meta.name for meta in weights.metas]
+    if set(names) != set(params):
+        raise ValueError(f"CUDA weights v{weights.version} do not match the receiving model: "
+                         f"missing={sorted(set(params) - set(names))} unexpected={sorted(set(names) - set(params))}")
+    buffer = open_cuda_weights(weights, device)
     with torch.no_grad():
         for name, view in byte_views(buffer, weights.metas):
             params[name].copy_(view)

@@ -50,7 +50,7 @@ from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
 from tasks.score import Chunk, generate_and_score, join_rounds, rollout_samples
-from tasks.sync import sync_weights
+from tasks.sync import set_memory_phase, sync_weights
 from tasks.train import train
 
 
@@ -65,6 +65,18 @@ class RLEngines:
     pad_token_id: int
     stop_token_ids: tuple[int, ...]
     placement: Reservation | None = None
+    colocated: tuple[str, ...] = ()  # training roles sharing the rollout engines' GPUs: they take turns
+
+    @property
+    def swapped(self) -> list:
+        """The training engines that offload while the colocated rollout engines generate."""
+        roles = {"trainer": self.trainer, "reference": self.reference, "critic": self.critic}
+        return [roles[role] for role in self.colocated if roles.get(role) is not None]
+
+    def memory_phase(self, phase: str) -> None:
+        """``generate``, ``train`` or ``sync`` (``tasks.sync.set_memory_phase``); nothing without colocation."""
+        if self.swapped:
+            set_memory_phase(self.rollouts, self.swapped, phase)
 
     @property
     def reward_worker(self):
@@ -111,7 +123,8 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         role = name.split("/", 1)[1].split("#")[0]
         if role.startswith("rollout") and role not in roles:
             stop_named(name)
-    rollouts = [start_engine(f"rollout/{config.rollout.engine}", role=role, **where("rollout", i), **common)
+    rollouts = [start_engine(f"rollout/{config.rollout.engine}", role=role, **where("rollout", i),
+                             **rollout_engine_options(config, common))
                 for i, role in enumerate(roles)]
     trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
                            micro_batch_size=config.train.micro_batch_size, temperature=temperature,
@@ -137,7 +150,23 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
                              dtype=config.model.dtype, torch_threads=config.run.torch_threads, **attn, **where("judge"))
     tokenizer = load_tokenizer(model_path)
     return RLEngines(rollouts, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
-                     stop_token_ids(tokenizer, config.rollout.stop), placement)
+                     stop_token_ids(tokenizer, config.rollout.stop), placement, colocated_with_rollout(config))
+
+
+def colocated_with_rollout(config: Config) -> tuple[str, ...]:
+    """The training roles (trainer, reference, critic) in the rollout engines' ``placement.colocate`` group."""
+    groups = config.placement.colocate if config.placement is not None else []
+    group = next((g for g in groups if "rollout" in g), [])
+    return tuple(role for role in ("trainer", "reference", "critic") if role in group)
+
+
+def rollout_engine_options(config: Config, common: dict) -> dict:
+    """Constructor keywords of the rollout backend: ``common`` (the HF engine's), or for vLLM its
+    ``rollout.vllm`` options and the run seed instead of the attention implementation (vLLM picks its own)."""
+    if config.rollout.engine != "vllm":
+        return common
+    options = {k: v for k, v in common.items() if k != "attn_implementation"}
+    return {**options, **config.rollout.vllm.model_dump(), "seed": config.run.seed}
 
 
 def rollout_roles(replicas: int) -> list[str]:
@@ -286,7 +315,8 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState,
         chunks = build_chunks(cfg, engines, drawn, seed=(cfg.run.seed * 1_000_003 + step) * 101 + round_index)
         with timed(metrics, "time/generate_and_score"):
             scored = generate_and_score(engines.rollouts, engines.reward_workers, quote(chunks), cfg.reward.async_scoring,
-                                        keep_groups=(group, room) if dynamic.enabled else None)
+                                        keep_groups=(group, room) if dynamic.enabled else None,
+                                        timeout_s=cfg.rollout.timeout_s)
         if round_index == 0:
             reward_failures.update(step, failures_by_domain(scored.stats))  # warns; raises past reward.failure_patience
         rounds.append(scored)
@@ -322,7 +352,9 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     """One RL step: generate → score (→ refill) → compute_advantages → train (critic, then policy) →
     sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics."""
     alg = cfg.algorithm
+    engines.memory_phase("generate")
     scored = sample_batch(cfg, engines, domains, state, step, reward_failures)
+    engines.memory_phase("train")
     metrics = scored.metrics
     with timed(metrics, "time/advantages"):
         batch_ref, advantage_metrics, moments = compute_advantages(
@@ -335,12 +367,15 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
         with timed(metrics, "time/train_critic"):
             metrics.update(train(engines.critic, batch_ref, ValueObjective(clip_range=alg.critic.clip_range),
                                  update_spec(cfg, step, "critic")))
-    if engines.critic is None or step > alg.critic.warmup_steps:  # PPO's critic warm-up trains the critic alone
+    policy_trains = engines.critic is None or step > alg.critic.warmup_steps  # PPO's critic warm-up: critic alone
+    if policy_trains:
         objective = build_objective(cfg)
         if objective.kl_coef:
             objective = dataclasses.replace(objective, kl_coef=state.kl_coef)
         with timed(metrics, "time/train"):
             metrics.update(train(engines.trainer, batch_ref, objective, update_spec(cfg, step)))
+    engines.memory_phase("sync")  # the rollout engines wake beside the trainer: for the sync and evaluation
+    if policy_trains:
         with timed(metrics, "time/sync_weights"):
             sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb)
     if alg.kl.controller == "adaptive":
@@ -361,7 +396,7 @@ def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[flo
     for domain in domains:
         rows = domain.heldout_rows[: config.eval.num_prompts] if config.eval.num_prompts else domain.heldout_rows
         accuracy, domain_samples = evaluate(engines.rollouts, engines.reward_worker, quote(rows), sampling,
-                                            score_spec(config, domain, engines))
+                                            score_spec(config, domain, engines), timeout_s=config.rollout.timeout_s)
         per_domain[domain.name] = accuracy
         samples += domain_samples
         correct, total = correct + accuracy * len(rows), total + len(rows)

@@ -13,7 +13,8 @@ reset after every weight update.
 
 Weight updates follow the versioned contract (``engines.protocols``): ``begin_update`` opens vLLM's
 layerwise reload, ``receive`` streams each bucket into the worker (``engines.inference.vllm_worker``),
-``commit`` finalizes it. vLLM repacks weights for its kernels, so the engine cannot hash what it holds;
+``commit`` finalizes it. A trainer on the same GPU (colocated) sends instead the CUDA IPC handle of its
+weights (``update_weights_cuda_ipc``), read device to device into the same reload. vLLM repacks weights for its kernels, so the engine cannot hash what it holds;
 its checksum is that of the bytes it received, under the trainer's formula (equal to the trainer's
 ``weights_checksum`` when every parameter arrived intact), and the flow checks the result by the drift
 between the trainer's and this engine's log-probs of the same sampled tokens (``sync/logprob_drift_*``).
@@ -151,6 +152,24 @@ class VLLMEngine:
         self._update.nbytes += int(bucket.data.nbytes)
         return len(named)
 
+    def update_weights_cuda_ipc(self, weights) -> str | None:
+        """A whole update from a trainer on this GPU (``TorchTrainEngine.export_cuda_ipc``): its CUDA IPC
+        buffer streams device to device into the reload; returns the new checksum, or None when the
+        buffer is not reachable from here (CPU, another node or GPU), so the caller sends buckets."""
+        from engines.weight_sync_cuda import reachable
+
+        if self._on_cpu or not reachable(weights, torch.device("cuda", torch.cuda.current_device())):
+            return None
+        self.begin_update(weights.version)
+        digests = self.llm.collective_rpc("rollflow_load_cuda", args=(weights,))[0]  # every rank reads all
+        metas = {meta.name: meta for meta in weights.metas}
+        for name, digest in digests:
+            meta = metas[name]
+            self._update.digests[name] = (torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta"), digest)
+        self._update.tensors += len(digests)
+        self._update.nbytes += sum(meta.nbytes for meta in weights.metas)
+        return self.commit(weights.version).checksum
+
     def commit(self, version: int) -> UpdateReport:
         """Close update ``version`` once every parameter arrived: finalize the reload, reset the prefix cache."""
         update = self._update
@@ -175,7 +194,7 @@ class VLLMEngine:
         return self.commit(version).checksum
 
     def update_weights_shared(self, shared) -> None:
-        """The shared-memory transport is the HF engine's; None tells the sync to send buckets."""
+        """The shared-memory transport is the HF engine's: None tells the sync to send buckets."""
         return None
 
     def weights_version(self) -> int:

@@ -24,6 +24,22 @@ class WeightReceiver:
         """Load ``(hf_name, tensor)`` pairs into the open update; returns the vLLM parameters they filled."""
         return len(self.model_runner.get_model().load_weights(iter(named_tensors)))
 
+    def rollflow_load_cuda(self, weights) -> list[tuple[str, bytes]]:
+        """Load a colocated trainer's weights from its CUDA IPC export (``engines.weight_sync_cuda``) into
+        the open update, device to device; returns each tensor's name and digest (of a host copy)."""
+        import torch
+
+        from engines.weight_sync import _tensor_digest, byte_views
+        from engines.weight_sync_cuda import open_cuda_weights
+
+        buffer = open_cuda_weights(weights, self.device)
+        named = list(byte_views(buffer, weights.metas))
+        self.rollflow_load(named)
+        digests = [(name, _tensor_digest(view)) for name, view in named]
+        torch.cuda.current_stream(self.device).synchronize()  # done reading before the mapping closes
+        del named, buffer
+        return digests
+
     def rollflow_commit_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 

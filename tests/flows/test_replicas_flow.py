@@ -63,9 +63,9 @@ def _run(tmp_path, name: str, model_dir: str, monkeypatch, *overrides: str) -> t
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=4", "train.optim.lr=3e-3",
         "data.arithmetic.num_heldout=8", "eval.every=0", "checkpoint.every=1000", "tracking.sample_every=0",
         "tracking.log_model=false", "tracking.register_model=false", "sft.steps=2", "sft.batch_size=8",
-        "sync.drift_prompts=0", *overrides]))  # (the sync check's own generate calls left out of the counts)
+        *overrides]))
     engines = json.loads((run_dir / "engines.json").read_text())
-    work = ("generate", "update_weights_shared")  # (describe's __ray_call__ aside)
+    work = ("generate", "update_weights_shared", "sleep", "wake")  # (describe's __ray_call__ aside)
     return [{k: h.calls.get(k, 0) for k in work} for h in counted], engines, sft_gpus, load_file(run_dir / "final" / "model.safetensors")
 
 
@@ -76,7 +76,9 @@ def test_two_replicas_share_the_work_and_train_as_one(tmp_path, tiny_model_dir, 
     calls, engines, sft_gpus, two = _run(tmp_path, "replicas-2", tiny_model_dir, monkeypatch, placement)
     # Per replica, 2 steps of 2 chunks (at least one per replica) are 2 generate calls, plus one part of the
     # held-out rows at each of the 2 evaluations (step 0 and the last); 3 syncs: before step 1, after each step.
-    assert calls == [{"generate": 4, "update_weights_shared": 3}] * 2
+    # Colocated with the trainer, each replica sleeps while the trainer trains and wakes to generate and for
+    # the sync: per step one sleep, two wakes.
+    assert calls == [{"generate": 4, "update_weights_shared": 3, "sleep": 2, "wake": 4}] * 2
     assert {role for role in engines if role.startswith("rollout")} == {"rollout-0", "rollout-1"}
     # Colocated with the trainer in bundle 0 of a 4-GPU cluster: rollout-0 sees the trainer's GPU.
     assert len(engines["trainer"]["gpu_ids"]) == 1 and engines["rollout-0"]["gpu_ids"] == engines["trainer"]["gpu_ids"]
@@ -84,7 +86,7 @@ def test_two_replicas_share_the_work_and_train_as_one(tmp_path, tiny_model_dir, 
 
     # One replica, no placement, cut into the same two chunks (same prompts, same seeds): every call on it.
     calls, engines, sft_gpus, one = _run(tmp_path, "replicas-1", tiny_model_dir, monkeypatch, "reward.generation_chunks=2")
-    assert calls == [{"generate": 2 * 2 + 2, "update_weights_shared": 3}]
+    assert calls == [{"generate": 2 * 2 + 2, "update_weights_shared": 3, "sleep": 0, "wake": 0}]  # nothing to share
     assert engines["rollout"]["gpu_ids"] == [] and sft_gpus == []
     # Generation is seeded per chunk and the chunks are the same, so training saw the same batches.
     assert one.keys() == two.keys() and all((one[k] == two[k]).all() for k in one)
