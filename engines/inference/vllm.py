@@ -60,14 +60,14 @@ class VLLMEngine:
         on_cpu = not torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this actor
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cpu_kv_cache_gib:g}")
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{cpu_kv_cache_gib:g}"  # rollout.vllm.cpu_kv_cache_gib
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # Ray, not vLLM, places the actor
             set_torch_threads(torch_threads)
         from vllm import LLM
 
         path = local_model_path(model_path)
         self.tokenizer = load_tokenizer(path)
-        self._path, self._names = path, _checkpoint_names(path)
+        self._path, self._names, self._dtype = path, _checkpoint_names(path), dtype
         self._checksum: str | None = None  # of the checkpoint until the first update; hashed when asked
         if on_cpu:
             _check_cpu_head_dim(path)
@@ -203,7 +203,7 @@ class VLLMEngine:
     def weights_checksum(self) -> str:
         """Checksum of the weights held: of the checkpoint's tensors at start, then of each update's bytes."""
         if self._checksum is None:
-            self._checksum = _checkpoint_checksum(self._path, self._names)
+            self._checksum = _checkpoint_checksum(self._path, self._names, self._dtype)
         return self._checksum
 
     # -- memory ----------------------------------------------------------------------------------------
@@ -257,15 +257,16 @@ def _checkpoint_names(path: str) -> set[str]:
     return names - ({"lm_head.weight"} if tied else set())
 
 
-def _checkpoint_checksum(path: str, names: set[str]) -> str:
-    """``weights_checksum`` of the checkpoint's tensors ``names``: what a trainer loaded from it holds."""
+def _checkpoint_checksum(path: str, names: set[str], dtype: str) -> str:
+    """``weights_checksum`` of the checkpoint's tensors ``names`` in ``dtype``: what a trainer loading it holds."""
     from safetensors import safe_open
 
     entries = []
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            entries += [(name, tensor, _tensor_digest(tensor)) for name in handle.keys() if name in names
-                        for tensor in (handle.get_tensor(name),)]
+            for name in names & set(handle.keys()):
+                tensor = handle.get_tensor(name).to(getattr(torch, dtype))
+                entries.append((name, tensor, _tensor_digest(tensor)))
     return _combine_digests(entries)
 
 
