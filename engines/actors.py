@@ -189,20 +189,19 @@ def _actor_name(handle) -> str:
 
 
 def last_log_lines(handle, lines: int = 5) -> str:
-    """The last ``lines`` non-empty lines of the actor's stderr and stdout files on this node, joined by
-    `` | ``; says where they are when the actor ran on another node."""
+    """The last ``lines`` non-empty lines of the actor's stderr file and of its stdout file on this node,
+    each labelled, joined by `` | ``; says where they are when the actor ran on another node."""
     import glob
 
     pid = _actor_record(handle).get("Pid")
     node = getattr(getattr(ray._private, "worker", None), "_global_node", None)
     if not pid or node is None:
         return "(no log: the actor's process is unknown)"
-    files = sorted(glob.glob(os.path.join(node.get_logs_dir_path(), f"worker-*-{pid}.err")) +
-                   glob.glob(os.path.join(node.get_logs_dir_path(), f"worker-*-{pid}.out")))
-    if not files:
-        return f"(no log on this node for pid {pid}: see the Ray logs of its node)"
-    tail = []
-    for file in files:
-        with open(file, errors="replace") as handle_file:
-            tail += [line.strip()[:200] for line in handle_file.readlines()[-200:] if line.strip()]
-    return " | ".join(tail[-lines:]) or "(empty)"
+    parts = []
+    for stream, suffix in (("stderr", "err"), ("stdout", "out")):
+        for file in glob.glob(os.path.join(node.get_logs_dir_path(), f"worker-*-{pid}.{suffix}")):
+            with open(file, errors="replace") as log:
+                tail = [line.strip()[:200] for line in log.readlines()[-200:] if line.strip()][-lines:]
+            if tail:
+                parts.append(f"{stream}: " + " | ".join(tail))
+    return " | ".join(parts) or f"(no log lines on this node for pid {pid})"
