@@ -24,6 +24,7 @@ import time
 def main(argv: list[str]) -> None:
     import ray
 
+    from configs.schema import RolloutConfig
     from engines.actors import run_actor_names, start_engine
     from engines.data.prompts import load_prompt_rows
     from engines.models import TinyModelSpec, build_tiny_model
@@ -32,6 +33,7 @@ def main(argv: list[str]) -> None:
     from tasks.score import Chunk, generate_and_score
 
     args = dict(a.split("=", 1) for a in argv)
+    timeout_s = RolloutConfig().timeout_s  # the run's default wait for a generation call
     steps, n_chunks = int(args.get("steps", 5)), int(args.get("chunks", 4))
     prompts, group, max_new = int(args.get("prompts", 8)), int(args.get("group", 8)), int(args.get("max_new_tokens", 32))
     rows = load_prompt_rows("configs/data/qa/train.jsonl")
@@ -62,12 +64,12 @@ def main(argv: list[str]) -> None:
                              SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=1000 * step + k), spec))
         return out
 
-    generate_and_score.fn([rollout], workers, chunks_for(0), True)  # warm-up: model load, first sandbox
+    generate_and_score.fn([rollout], workers, chunks_for(0), True, timeout_s=timeout_s)  # warm-up: model load, first sandbox
     times: dict[bool, list[float]] = {False: [], True: []}
     for step in range(1, steps + 1):
         for overlap in (False, True):
             start = time.perf_counter()
-            scored = generate_and_score.fn([rollout], workers, chunks_for(step), overlap)
+            scored = generate_and_score.fn([rollout], workers, chunks_for(step), overlap, timeout_s=timeout_s)
             times[overlap].append(time.perf_counter() - start)
         gen = sum(s["generate_s"] for s in scored.stats)
         score = sum(s["score_s"] for s in scored.stats)

@@ -11,7 +11,7 @@ from tasks.common import TASK_DEFAULTS
 
 @task(name="evaluate", retries=1, **TASK_DEFAULTS)
 def evaluate(rollout_engines: list, reward_worker, rows: list[dict], sampling: SamplingParams,
-             spec: ScoreSpec, timeout_s: float = 1800.0) -> tuple[float, list[dict]]:
+             spec: ScoreSpec, *, timeout_s: float) -> tuple[float, list[dict]]:
     """Accuracy of the rollout engines' completions on ``rows`` (held-out), split in contiguous parts over the
     replicas; returns ``(accuracy, samples)``."""
     parts = min(len(rollout_engines), len(rows))

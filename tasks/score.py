@@ -38,7 +38,7 @@ def _flat(pairs):
 
 @task(name="generate_and_score", retries=1, **TASK_DEFAULTS)
 def generate_and_score(rollout_engines: list, reward_workers: list, chunks: list[Chunk], overlap: bool,
-                       keep_groups: tuple[int, int] | None = None, timeout_s: float = 1800.0) -> ScoredRound:
+                       keep_groups: tuple[int, int] | None = None, *, timeout_s: float) -> ScoredRound:
     """Generate every chunk (chunk ``i`` on rollout replica ``i % len(rollout_engines)``) and score it; with
     ``keep_groups = (group_size, room)`` also find the rows of the first ``room`` groups whose rewards
     differ (dynamic sampling).
