@@ -112,42 +112,81 @@ SUMMED = frozenset({"train/loss", "actor/pg_loss"})
 
 def optimizer_step(batch: TrainBatch, loss_fn: Callable, *, forward: Callable[[TrainBatch], dict],
                    parameters: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                   scheduler, micro_batch_size: int, grad_clip: float, measure_drift: bool = False) -> dict[str, float]:
+                   scheduler, micro_batch_size: int, grad_clip: float, measure_drift: bool = False,
+                   rank: int = 0, world_size: int = 1, backward: Callable[[torch.Tensor], None] | None = None,
+                   step: Callable[[], float] | None = None) -> dict[str, float]:
     """One optimizer step over ``batch`` in micro-batches of ``micro_batch_size`` rows.
 
     Rows the objective shows to have no gradient (``loss_fn.rows_with_gradient``: zero-advantage rows)
     are not computed; the loss and the gradient stay those of the whole batch, since each micro-batch
     carries its share of it (``loss_fn.micro_weight``), and the other metrics (clip fraction, entropy, …)
     are means over the rows computed. With ``measure_drift`` (the first step after a weight sync) also
-    ``sync/logprob_drift_*`` of the rows computed (``DriftMeter``)."""
+    ``sync/logprob_drift_*`` of the rows computed (``DriftMeter``).
+
+    A sharded engine's ranks each pass the whole ``batch``, their ``rank`` and ``world_size``: rank r computes
+    micro-batches r, r + world_size, …, so the gradient of the batch is the sum of the ranks' (their
+    ``backward`` must sum, not average, across ranks), and a rank with one micro-batch fewer runs a
+    zero-weight one so the collectives of every forward and backward stay in step. The metrics of every
+    rank are gathered, so each returns those of the whole batch. ``backward(loss)`` defaults to
+    ``loss.backward()``; ``step()`` (clip, optimizer, LR schedule; returns the gradient norm before the clip)
+    to ``clip_grad_norm_`` over ``parameters`` then ``optimizer`` and ``scheduler``."""
     optimizer.zero_grad(set_to_none=True)
     rows = getattr(loss_fn, "rows_with_gradient", lambda _: None)(batch)
     computed = batch if rows is None else batch.select(rows)
+    micros = list(computed.micro_batches(micro_batch_size))
+    mine = micros[rank::world_size]
+    padding = -(-len(micros) // world_size) - len(mine)  # 0 or 1: this rank's zero-weight micro-batch
     sums: dict[str, float] = {}
     entries, weights = [], []
     drift = DriftMeter() if measure_drift else None
-    for micro in computed.micro_batches(micro_batch_size):
-        weight = loss_fn.micro_weight(micro, batch)  # the share of the whole batch: skipped rows add 0
+    lr = scheduler.get_last_lr()[0]
+    for i, micro in enumerate(mine + micros[:padding]):
+        weight = loss_fn.micro_weight(micro, batch) if i < len(mine) else 0.0  # skipped rows add 0
         inputs = forward(micro)
+        loss, metrics = loss_fn(**inputs, batch=micro)
+        (backward or torch.Tensor.backward)(loss * weight)
+        if i == len(mine):
+            break  # the padding micro-batch counts in no metric
         if drift is not None:
             drift.add(inputs, micro)
-        loss, metrics = loss_fn(**inputs, batch=micro)
-        (loss * weight).backward()
         metrics["train/loss"] = float(loss.detach())
         for key in SUMMED & metrics.keys():
             sums[key] = sums.get(key, 0.0) + weight * metrics.pop(key)
         entries.append(metrics)
         weights.append(weight)
+    if world_size > 1:
+        entries, weights, sums, drift = _gather_step(entries, weights, sums, drift)
     totals = {**combine(entries, weights), **sums}
     totals["train/skipped_rows"] = float(len(batch) - len(computed))
     if drift is not None:
         totals.update(drift.metrics())
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
-    totals["train/lr"] = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
+    if step is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+        optimizer.step()
+        scheduler.step()
+    else:
+        grad_norm = step()
+    totals["train/lr"] = lr
     totals["train/grad_norm"] = float(grad_norm)
     return totals
+
+
+def _gather_step(entries: list[dict], weights: list[float], sums: dict[str, float], drift: DriftMeter | None):
+    """Every rank's micro-batch metrics, weights, summed metrics and drift, combined on each rank."""
+    from engines.training.distributed import gather_objects
+
+    gathered = gather_objects((entries, weights, sums, drift and (drift.max, drift.sum, drift.tokens)))
+    entries = [entry for rank_entries, *_ in gathered for entry in rank_entries]
+    weights = [weight for _, rank_weights, *_ in gathered for weight in rank_weights]
+    total_sums: dict[str, float] = {}
+    for _, _, rank_sums, _ in gathered:
+        for key, value in rank_sums.items():
+            total_sums[key] = total_sums.get(key, 0.0) + value
+    if drift is not None:
+        drift = DriftMeter()
+        for *_, (top, total, tokens) in gathered:
+            drift.max, drift.sum, drift.tokens = max(drift.max, top), drift.sum + total, drift.tokens + tokens
+    return entries, weights, total_sums, drift
 
 
 def run_updates(batch: TrainBatch, loss_fn: Callable, spec: UpdateSpec, **step_kwargs) -> dict[str, float]:
