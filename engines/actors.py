@@ -37,9 +37,10 @@ def fingerprint(kind: str, kwargs: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def run_actor_names(run_name: str | None, role: str | None = None) -> list[str]:
-    """Names of the live actors of ``run_name`` (of one ``role`` when given; of every run for None)."""
-    prefix = "" if run_name is None else f"{run_name}/{role}#" if role else f"{run_name}/"
+def run_actor_names(run_name: str | None, role: str | None = None, exact: bool = True) -> list[str]:
+    """Names of the live actors of ``run_name`` (of one ``role`` when given, or of the roles that start with
+    it unless ``exact``; of every run for None)."""
+    prefix = "" if run_name is None else f"{run_name}/{role}{'#' if exact else ''}" if role else f"{run_name}/"
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
 
@@ -52,9 +53,19 @@ def _responsive(handle, timeout_s: float) -> bool:
         return False
 
 
+def engine_actor_name(kind: str, run_name: str, role: str, *, num_gpus: float = 0, scheduling_strategy=None,
+                      max_concurrency: int | None = None, **kwargs: Any) -> str:
+    """The name ``start_engine`` gives the actor of ``kind`` built from these options and constructor ``kwargs``."""
+    group = getattr(scheduling_strategy, "placement_group", None)
+    where = (group.id.hex(), scheduling_strategy.placement_group_bundle_index) if group is not None else \
+        getattr(scheduling_strategy, "node_id", None)
+    placed = {"placement": (num_gpus, where)} if num_gpus or where else {}
+    return actor_name(run_name, role, fingerprint(kind, {**kwargs, "max_concurrency": max_concurrency, **placed}))
+
+
 def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num_cpus: float = 0,
                  num_gpus: float = 0, runtime_env: dict | None = None, max_concurrency: int | None = None,
-                 scheduling_strategy=None, **kwargs: Any):
+                 scheduling_strategy=None, unfingerprinted: dict | None = None, **kwargs: Any):
     """The actor ``<run>/<role>`` of engine ``kind``, ``"<role kind>/<backend>"`` (``engines.backends``: a
     short name or a dotted path, imported here): the live one built from the same ``kind`` and ``kwargs``
     if there is one and ``reuse``, else a new one (replacing any actor of this run and role). Pass ``reuse=False``
@@ -62,12 +73,12 @@ def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num
 
     Actors never restart and their calls never retry: a crash fails the step, and resume goes through
     the checkpoint instead of a half-updated actor. ``num_gpus`` and ``scheduling_strategy`` (a placement
-    group bundle, ``engines.placement``) are part of what the actor was built from: a changed placement replaces it."""
-    where = scheduling_strategy and (scheduling_strategy.placement_group.id.hex(),
-                                     scheduling_strategy.placement_group_bundle_index)
-    placed = {"placement": (num_gpus, where)} if num_gpus or where else {}
-    name = actor_name(run_name, role, fingerprint(kind, {**kwargs, "max_concurrency": max_concurrency, **placed}))
-    for other in run_actor_names(run_name, role):
+    group bundle, ``engines.placement``, or a node) are part of what the actor was built from: a changed
+    placement replaces it. ``unfingerprinted`` constructor keywords are not (a rank's rendezvous address).
+    Starting one actor for ``role`` also stops the ranks of an earlier sharded ``role`` (``engines.rank_group``)."""
+    name = engine_actor_name(kind, run_name, role, num_gpus=num_gpus, scheduling_strategy=scheduling_strategy,
+                             max_concurrency=max_concurrency, **kwargs)
+    for other in run_actor_names(run_name, role) + run_actor_names(run_name, f"{role}.rank", exact=False):
         if other != name or not reuse:
             _kill_named(other)  # built from another config: not interchangeable
     try:
@@ -93,7 +104,7 @@ def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num
         runtime_env=runtime_env,
         scheduling_strategy=scheduling_strategy,
         **({"max_concurrency": max_concurrency} if max_concurrency else {}),  # threaded actor: calls overlap
-    ).remote(**kwargs)
+    ).remote(**kwargs, **(unfingerprinted or {}))
 
 
 def joined_cluster() -> bool:
@@ -103,7 +114,9 @@ def joined_cluster() -> bool:
 
 def describe(handle) -> dict[str, Any]:
     """``{"actor_id", "pid", "node_ip", "gpu_ids"}`` of a live actor, read inside it (``gpu_ids``: those Ray
-    assigned it, as strings)."""
+    assigned it, as strings); ``{"ranks": [...]}`` of each rank's for a ``RankGroup``."""
+    if hasattr(handle, "ranks"):
+        return {"ranks": [describe(rank) for rank in handle.ranks]}
     def where(_self):
         import os as _os
 
@@ -134,7 +147,12 @@ def stop_named(name: str) -> None:
 
 
 def stop_engine(handle) -> None:
-    """Kill the actor, after letting it release what outlives a process (``close()``: shared memory)."""
+    """Kill the actor, after letting it release what outlives a process (``close()``: shared memory); every
+    rank of a ``RankGroup``."""
+    if hasattr(handle, "ranks"):
+        for rank in handle.ranks:
+            stop_engine(rank)
+        return
     try:
         ray.get(handle.__ray_call__.remote(lambda engine: getattr(engine, "close", lambda: None)()), timeout=10)
     except Exception:  # noqa: BLE001 - an actor that is dead or stuck is killed all the same
