@@ -20,6 +20,10 @@ BACKENDS: dict[str, dict[str, str]] = {
 }
 """Role -> short name -> ``package.module:Class``. A role's short names are what its config key accepts."""
 
+RANKED: frozenset[str] = frozenset({"engines.training.fsdp2:FSDP2TrainEngine",
+                                    "engines.training.deepspeed:DeepSpeedTrainEngine"})
+"""Sharded training backends: one actor per rank (``train.ranks``), driven as one by ``engines.rank_group``."""
+
 ENVS: dict[str, str] = {"engines.inference.vllm:VLLMEngine": "vllm"}
 """Backends whose actors run in their own virtualenv (``engines.envs``): class path -> env name."""
 
@@ -45,6 +49,12 @@ def backend_env(kind: str) -> str | None:
     """The ``engines.envs`` env that backend ``kind`` (``"<role>/<name>"``) runs in; None: the driver's."""
     role, _, name = kind.partition("/")
     return ENVS.get(check_backend(role, name)) if role in BACKENDS else None
+
+
+def is_ranked(kind: str) -> bool:
+    """Whether backend ``kind`` (``"<role>/<name>"``) runs as a group of ranks (``RANKED``)."""
+    role, _, name = kind.partition("/")
+    return role in BACKENDS and check_backend(role, name) in RANKED
 
 
 def engine_class(kind: str) -> type:
