@@ -60,6 +60,19 @@ class TinyModelConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    r: int = Field(8, gt=0)
+    """Rank of each adapter: A is [r, in], B is [out, r]; the adapter trains r·(in + out) numbers per layer."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the adapter's output: the layer computes W x + (alpha / r) · B A x."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter branch's input while training (0 = none)."""
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      min_length=1)
+    """Names of the linear layers that get an adapter (a module matches when its name ends with one; peft's
+    rule); the default is every linear layer of a Qwen2/Llama decoder block."""
+
+
 class ModelConfig(Section):
     source: Literal["hf", "tiny"] = "hf"
     """hf: load `path` (local folder or hub id); tiny: build a tiny Qwen2 model and tokenizer offline."""
@@ -73,6 +86,10 @@ class ModelConfig(Section):
     """Attention kernel of every HF/torch engine, passed to transformers' from_pretrained: eager, sdpa,
     flash_attention_2 (needs flash-attn, a GPU and bfloat16/float16; groups then do not share their prompt
     in training), …; None = transformers' default."""
+    lora: LoraConfig | None = None
+    """LoRA (peft) on the policy: only the adapters train, a sync sends the base once and then the adapters,
+    checkpoints hold the adapters, the frozen base is the KL reference (no reference model is loaded), and the
+    final model is saved merged and as the adapter (final/adapter/). None = full fine-tuning."""
 
     @model_validator(mode="after")
     def _path_for_hf(self):
@@ -579,6 +596,9 @@ class Config(Section):
                 raise CheckError(("algorithm.dynamic_sampling.enabled", "data.domains"),
                                  "dynamic sampling drops groups and would change the domains' shares; "
                                  "disable algorithm.dynamic_sampling with data.domains")
+        if self.model.lora is not None and self.rollout.engine != "hf":
+            raise CheckError(("model.lora", "rollout.engine"), f"LoRA adapters sync into the hf rollout engine only; "
+                             f"set rollout.engine=hf (got {self.rollout.engine!r}) or remove model.lora")
         keep_groups = self.algorithm.advantage in advantages.GROUP_ESTIMATORS
         units = self.rollout.prompts_per_step * (1 if keep_groups else self.rollout.group_size)
         if self.train.mini_batches > units:

@@ -11,15 +11,34 @@ class WeightSyncError(RuntimeError):
 
 
 @task(name="sync_weights", retries=1, **TASK_DEFAULTS)
-def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: int) -> str:
+def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: int, adapter: bool = False) -> str:
     """Push the trainer's weights to every rollout engine and verify them by checksum.
 
     A trainer on a GPU first exports a CUDA IPC handle: engines on the same GPU (colocated) copy device to
     device. Of the rest, engines on the trainer's node that read shared memory (the HF engine) take one
     host copy from ``/dev/shm``; the others (another node, the vLLM engine, no room in ``/dev/shm``) get
     byte buckets through Ray's object store. The trainer copies to shared memory in the background,
-    hashing as it copies; engines hash each tensor once it is written. Idempotent (the same weights and
-    version again), so one retry is allowed."""
+    hashing as it copies; engines hash each tensor once it is written.
+
+    ``adapter`` (a LoRA trainer): only the adapter goes to engines that hold the trainer's base
+    (``update_adapter``, through Ray's object store); the others get the base as above first, once.
+    Idempotent (the same weights and version again), so one retry is allowed."""
+    if not adapter:
+        return _expect_equal(version, *_sync_whole(train_engine, rollout_engines, version, bucket_mb))
+    update_ref = train_engine.export_adapter.remote(version, bucket_mb << 20)
+    expected = ray.get(train_engine.weights_checksum.remote())
+    reports = ray.get([engine.update_adapter.remote(update_ref) for engine in rollout_engines])
+    baseless = [i for i, report in enumerate(reports) if report is None]
+    if baseless:  # the base once, then the adapter
+        _expect_equal(version, *_sync_whole(train_engine, [rollout_engines[i] for i in baseless], version, bucket_mb))
+        for i, report in zip(baseless, ray.get([rollout_engines[i].update_adapter.remote(update_ref) for i in baseless])):
+            reports[i] = report
+    return _expect_equal(version, expected, [report and report.checksum for report in reports])
+
+
+def _sync_whole(train_engine, rollout_engines: list, version: int, bucket_mb: int) -> tuple[str, list]:
+    """Every weight ``export_weights`` sends to each engine, the fastest way it can take them: the trainer's
+    checksum of what it sent and each engine's of what it holds."""
     cuda = ray.get(train_engine.export_cuda_ipc.remote(version))  # None on CPU
     received = [None] * len(rollout_engines)
     if cuda is not None:
@@ -39,6 +58,10 @@ def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: i
         checksums = ray.get([rollout_engines[i].update_weights.remote(version, buckets_ref) for i in unreached])
         for i, checksum in zip(unreached, checksums):
             received[i] = checksum
+    return expected, received
+
+
+def _expect_equal(version: int, expected: str, received: list) -> str:
     bad = [i for i, checksum in enumerate(received) if checksum != expected]
     if bad:
         raise WeightSyncError(f"weight sync v{version}: rollout engines {bad} hold other weights than the trainer")

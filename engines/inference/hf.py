@@ -8,7 +8,9 @@ Logprobs are of ``logits / temperature`` before top-k/top-p filtering, the distr
 recomputes, so train/rollout logprobs agree to float rounding. Weights arrive as versioned updates
 (``begin_update``/``receive``/``commit``, the contract of ``engines.protocols``) or, from a trainer on
 the same node, through shared memory (``update_weights_shared``), or from a trainer on the same GPU
-through CUDA IPC (``update_weights_cuda_ipc``).
+through CUDA IPC (``update_weights_cuda_ipc``). A LoRA trainer's adapter (``update_adapter``) is merged
+into the weights of a base that arrived whole before (``engines.training.lora.AdapterMerger``): generation
+then runs the plain model, with no adapter branch in its forwards.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from engines.models import load_model, load_tokenizer, resolve_device, set_torch_threads
 from engines.protocols import UpdateReport
 from engines.training.logprobs import position_ids_from_mask
+from engines.training.lora import AdapterMerger, AdapterUpdate
 from engines.types import Rollouts, SamplingParams
 from engines.weight_sync import Bucket, SharedWeightReader, SharedWeights, node_id, unpack_bucket, weights_checksum
 from engines.weight_sync_cuda import CudaWeights, load_cuda_weights
@@ -79,6 +82,8 @@ class HFInferenceEngine:
         self._version = 0
         self._shared: SharedWeightReader | None = None
         self._update: _OpenUpdate | None = None  # between begin_update and commit
+        self._full_checksum: str | None = None  # the weights of the last whole update, while held unmerged
+        self._lora: AdapterMerger | None = None  # a LoRA base and the adapter merged into it
         self._home: torch.device | None = None  # where offload() took the weights from; None while loaded
 
     # -- weights: versioned updates (engines.protocols) ----------------------------------------------
@@ -87,11 +92,21 @@ class HFInferenceEngine:
         if self._update is not None and self._update.version != version:
             raise RuntimeError(f"weight update v{self._update.version} is still open: commit it before "
                                f"begin_update({version})")
-        if self._shared is not None:  # parameters are views of the trainer's shared slots: own them again
+        self._own_weights()
+        self._update = _OpenUpdate(version, dict(self.model.named_parameters()))
+
+    def _own_weights(self) -> None:
+        """Parameters that are views of the trainer's shared slots get storage of their own (before writing)."""
+        if self._shared is not None:
             for param in self.model.parameters():
                 param.data = param.data.clone()
             self._shared = None
-        self._update = _OpenUpdate(version, dict(self.model.named_parameters()))
+
+    def _held_whole(self, checksum: str | None) -> str | None:
+        """Record a whole update of checksum ``checksum`` (None: none arrived): any adapter merged before is gone."""
+        if checksum is not None:
+            self._full_checksum, self._lora = checksum, None
+        return checksum
 
     def receive(self, bucket: Bucket) -> int:
         """Copy one bucket's tensors into the parameters of the same names; returns the tensors loaded."""
@@ -120,7 +135,7 @@ class HFInferenceEngine:
             raise ValueError(f"weight update v{version} is incomplete: {len(missing)} of {len(update.params)} "
                              f"parameters not received, e.g. {missing[0]!r}")
         self._update, self._version = None, version
-        return UpdateReport(version, weights_checksum(self.model), update.tensors, update.nbytes)
+        return UpdateReport(version, self._held_whole(weights_checksum(self.model)), update.tensors, update.nbytes)
 
     def update_weights(self, version: int, buckets: list[Bucket]) -> str:
         """A whole update in one call (one Ray round trip): begin, receive every bucket, commit; returns
@@ -137,7 +152,7 @@ class HFInferenceEngine:
             return None
         self._check_ready("update_weights_shared()")
         self._shared = self._shared or SharedWeightReader()
-        checksum = self._shared.load(self.model, shared)
+        checksum = self._held_whole(self._shared.load(self.model, shared))
         self._version = shared.version
         return checksum
 
@@ -148,17 +163,33 @@ class HFInferenceEngine:
         buckets instead."""
         if self._update is not None:
             raise RuntimeError(f"update_weights_cuda_ipc() during weight update v{self._update.version}: commit it first")
-        checksum = load_cuda_weights(self.model, weights)
+        checksum = self._held_whole(load_cuda_weights(self.model, weights))
         if checksum is not None:
             self._version = weights.version
         return checksum
+
+    def update_adapter(self, update: AdapterUpdate) -> UpdateReport | None:
+        """Merge a LoRA adapter into the base it belongs to (``engines.training.lora.AdapterMerger``); returns
+        the report (``checksum``: ``adapter_checksum`` of the base and adapter), or None when this engine does
+        not hold that base (none arrived yet, or another), so the caller sends the base first."""
+        self._check_ready("update_adapter()")
+        if self._lora is None and self._full_checksum == update.base_checksum:
+            self._own_weights()  # the merge writes the adapted layers' weights
+            self._lora, self._full_checksum = AdapterMerger(self.model, update.base_checksum), None
+        if self._lora is None or self._lora.base_checksum != update.base_checksum:
+            return None
+        checksum, tensors, nbytes = self._lora.apply(update)
+        self._version = update.version
+        return UpdateReport(update.version, checksum, tensors, nbytes)
 
     def weights_version(self) -> int:
         """The version of the last committed update (0 before any)."""
         return self._version
 
     def weights_checksum(self) -> str:
-        """``weights_checksum`` of the weights held now."""
+        """``weights_checksum`` of the weights held now; with a LoRA adapter merged, its ``adapter_checksum``."""
+        if self._lora is not None and self._lora.checksum is not None:
+            return self._lora.checksum
         return weights_checksum(self.model)
 
     # -- memory ----------------------------------------------------------------------------------------
@@ -167,6 +198,8 @@ class HFInferenceEngine:
         if self._home is None:
             self._home = next(self.model.parameters()).device
             self.model.to("cpu")
+            if self._lora is not None:
+                self._lora.to("cpu")
             if self._home.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -174,6 +207,8 @@ class HFInferenceEngine:
         """Move the weights back where ``offload`` took them from."""
         if self._home is not None:
             self.model.to(self._home)
+            if self._lora is not None:
+                self._lora.to(self._home)
             self._home = None
 
     def sleep(self) -> None:

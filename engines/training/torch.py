@@ -25,11 +25,14 @@ import torch
 
 from engines.checkpoint_store import write_bytes
 from engines.models import load_model, load_tokenizer, load_value_model, resolve_device, set_torch_threads
+from engines.training.lora import (AdapterUpdate, adapter_checksum, adapter_tensors, base_parameters, export_adapter,
+                                   merged_parameters, scalings, wrap_lora)
 from engines.training.logprobs import batched_logprobs, batched_values, packed_token_logprobs, token_logprobs, token_values
 from engines.training.precision import MasterWeights, needs_master_weights
 from engines.training.updates import UpdateSpec, run_updates
 from engines.types import Rollouts, TrainBatch, build_train_batch
-from engines.weight_sync import Bucket, SharedWeights, SharedWeightWriter, node_id, pack_buckets, weights_checksum
+from engines.weight_sync import (Bucket, SharedWeights, SharedWeightWriter, node_id, pack_buckets, tensors_checksum,
+                                 weights_checksum)
 from engines.weight_sync_cuda import CudaWeightExporter, CudaWeights
 
 
@@ -89,13 +92,18 @@ class TorchTrainEngine:
     ``attn_implementation`` picks transformers' attention kernel (None: its default); a flash-attention
     kernel takes no attention mask, so the rows of a group then do not share their prompt (``share_prompts``).
     ``gradient_checkpointing`` recomputes each layer's activations in the backward pass instead of keeping
-    them (same gradients, less memory, one more forward). ``device``: None = ``engine_device()``."""
+    them (same gradients, less memory, one more forward). ``device``: None = ``engine_device()``.
+
+    ``lora`` (``engines.training.lora.LoraSpec`` fields as a dict; policy only): the base stays frozen and
+    only the adapter trains (the optimizer holds only it); syncs send the base under HF names once, then
+    the adapter (``export_adapter``); the frozen base, adapter disabled, serves the KL reference
+    (``reference_logprobs``); checkpoints hold the adapter and its optimizer state."""
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
                  torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
                  head: str = "policy", packing: bool = True, share_prompts: bool = True,
                  attn_implementation: str | None = None, gradient_checkpointing: bool = False,
-                 device: str | None = None) -> None:
+                 device: str | None = None, lora: dict | None = None) -> None:
         if head not in ("policy", "value"):
             raise ValueError(f"head must be 'policy' or 'value', got {head!r}")
         set_torch_threads(torch_threads)
@@ -105,6 +113,12 @@ class TorchTrainEngine:
         self.tokenizer = load_tokenizer(model_path)
         load = load_model if head == "policy" else load_value_model
         self.model = load(model_path, dtype, attn_implementation=attn_implementation, device=self.device)
+        self.peft = None  # the peft wrapper of a LoRA model; self.model stays the HF model, its layers adapted
+        if lora is not None:
+            if head != "policy":
+                raise ValueError("lora adapts the policy (head='policy'); a critic trains all its weights")
+            self.peft = wrap_lora(self.model, lora)
+        self._base_checksum: str | None = None  # LoRA: the frozen base's checksum, hashed once
         if gradient_checkpointing:
             enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers 5's name
             if enable is not None:
@@ -130,8 +144,9 @@ class TorchTrainEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, optim))
 
     def _optimized_parameters(self) -> list[torch.Tensor]:
-        """What the optimizer steps: the fp32 masters of a low-precision model, else its parameters."""
-        return self.master.params if self.master is not None else list(self.model.parameters())
+        """What the optimizer steps: the fp32 masters of a low-precision model, else its trainable parameters
+        (all of them; a LoRA model's adapter)."""
+        return self.master.params if self.master is not None else [p for p in self.model.parameters() if p.requires_grad]
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -143,6 +158,17 @@ class TorchTrainEngine:
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``: PPO's old logprobs."""
         return self.logprobs(build_train_batch(rollouts, pad_token_id=0))  # pads are masked out
+
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``logprobs`` under the frozen base, the adapter disabled: a LoRA policy's KL reference, [B, L]."""
+        if self.peft is None:
+            raise RuntimeError("reference_logprobs() needs a LoRA trainer (lora=...); start a reference engine instead")
+        with self.peft.disable_adapter():
+            return self.logprobs(batch)
+
+    def reference_rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
+        """``reference_logprobs`` of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``."""
+        return self.reference_logprobs(build_train_batch(rollouts, pad_token_id=0))  # pads are masked out
 
     @torch.no_grad()
     def rollout_values(self, rollouts: Rollouts) -> torch.Tensor:
@@ -183,14 +209,33 @@ class TorchTrainEngine:
 
     # -- weights -------------------------------------------------------------------------------------
     def export_weights(self, bucket_bytes: int = 64 << 20) -> list[Bucket]:
-        return pack_buckets(self.model.named_parameters(), bucket_bytes)
+        """What a full sync sends (``_synced_parameters``), packed into buckets."""
+        return pack_buckets(self._synced_parameters(), bucket_bytes)
+
+    def _synced_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The HF-named weights of a full sync: every parameter, or a LoRA model's frozen base (its adapter
+        follows in ``export_adapter``)."""
+        return base_parameters(self.model) if self.peft is not None else list(self.model.named_parameters())
+
+    def export_adapter(self, version: int, bucket_bytes: int = 64 << 20) -> AdapterUpdate | None:
+        """A LoRA model's adapter (A and B of each adapted layer, and its scaling) for a rollout engine that
+        holds the base (``engines.training.lora``); None without LoRA."""
+        if self.peft is None:
+            return None
+        self._export_done()
+        return export_adapter(self.model, version, self._lora_base_checksum(), bucket_bytes)
+
+    def _lora_base_checksum(self) -> str:
+        if self._base_checksum is None:  # the base is frozen: hashed once
+            self._base_checksum = tensors_checksum(self._synced_parameters())
+        return self._base_checksum
 
     def export_shared(self, version: int) -> SharedWeights | None:
         """Start copying the weights into shared-memory slot ``version % 2`` and return where they go
         (None when ``/dev/shm`` has no room). The copy finishes in the background, so the caller's round
         trip to the receivers overlaps it; receivers wait for it, and so does every method here that
         changes the weights."""
-        named = [(name, p.detach().cpu()) for name, p in self.model.named_parameters()]  # a GPU's weights: host copies
+        named = [(name, p.detach().cpu()) for name, p in self._synced_parameters()]  # a GPU's weights: host copies
         if self._shared_writer is None:
             if not SharedWeightWriter.fits(sum(p.numel() * p.element_size() for _, p in named)):
                 return None
@@ -205,7 +250,7 @@ class TorchTrainEngine:
         if next(self.model.parameters()).device.type != "cuda":
             return None
         self._cuda_exporter = self._cuda_exporter or CudaWeightExporter()
-        return self._cuda_exporter.export(version, self.model.named_parameters())
+        return self._cuda_exporter.export(version, self._synced_parameters())
 
     def _export_done(self) -> None:  # before anything that changes the weights
         if self._shared_writer is not None:
@@ -224,14 +269,18 @@ class TorchTrainEngine:
             self._cuda_exporter = None
 
     def weights_checksum(self) -> str:
+        """``weights_checksum`` of the model; of a LoRA model, the ``adapter_checksum`` of its base and adapter
+        (what a rollout engine holding both reports)."""
         self._export_done()
+        if self.peft is not None:
+            return adapter_checksum(self._lora_base_checksum(), adapter_tensors(self.model), scalings(self.model))
         return weights_checksum(self.model)
 
     def exported_checksum(self) -> str:
         """Checksum of the weights as ``export_shared`` copied them, hashed during the copy (waits for
-        it); the current weights' checksum when nothing went through shared memory."""
+        it); without shared memory, the checksum of what ``export_weights`` sends (a LoRA model's base)."""
         if self._shared_writer is None:
-            return weights_checksum(self.model)
+            return self._lora_base_checksum() if self.peft is not None else weights_checksum(self.model)
         return self._shared_writer.wait()
 
     def optimizer_steps(self) -> int:
@@ -239,10 +288,11 @@ class TorchTrainEngine:
 
     # -- state ---------------------------------------------------------------------------------------
     def save(self, uri: str) -> list[str]:
-        """Write model, optimizer, scheduler and RNG state under ``uri`` (a folder, local or s3://)."""
+        """Write model, optimizer, scheduler and RNG state under ``uri`` (a folder, local or s3://). The model
+        file holds the trainable parameters: all of them, or a LoRA model's adapter (the base is the model's)."""
         from safetensors.torch import save
 
-        state = {name: p.detach().contiguous() for name, p in self.model.named_parameters()}  # tied weights once
+        state = {name: p.detach().contiguous() for name, p in self._trained_parameters()}  # tied weights once
         files = {
             "model.safetensors": save(state),
             "optimizer.pt": _torch_bytes(self.optimizer.state_dict()),
@@ -262,7 +312,7 @@ class TorchTrainEngine:
         self._export_done()
         with fsspec.open(f"{uri}/model.safetensors", "rb") as f:
             state = load(f.read())
-        params = dict(self.model.named_parameters())
+        params = dict(self._trained_parameters())
         if set(state) != set(params):
             raise ValueError(f"checkpoint {uri} does not match the model: "
                              f"missing={sorted(set(params) - set(state))} unexpected={sorted(set(state) - set(params))}")
@@ -282,17 +332,29 @@ class TorchTrainEngine:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
-        return weights_checksum(self.model)
+        return self.weights_checksum()
+
+    def _trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """What a checkpoint holds: the parameters that train (a LoRA model's adapter)."""
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
     def save_pretrained(self, uri: str) -> list[str]:
         """The model in HF format (``model.safetensors`` + config + tokenizer) at ``uri`` (local or s3://),
-        replacing what was there; returns the files written."""
+        replacing what was there; returns the files written. A LoRA model is saved merged (``W_base +
+        scaling · B @ A``, ``engines.training.lora.merged_parameters``) and as its adapter in peft's format
+        under ``adapter/`` (``adapter_model.safetensors`` + ``adapter_config.json``)."""
         import tempfile
 
         from engines.checkpoint_store import put_folder
 
         with tempfile.TemporaryDirectory() as tmp:
-            self.model.save_pretrained(tmp, safe_serialization=True)
+            if self.peft is None:
+                self.model.save_pretrained(tmp, safe_serialization=True)
+            else:
+                self._export_done()
+                merged = {name: p.detach().contiguous() for name, p in merged_parameters(self.model)}
+                self.model.save_pretrained(tmp, state_dict=merged, safe_serialization=True)
+                self.peft.save_pretrained(f"{tmp}/adapter", safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             return put_folder(tmp, uri)
 
