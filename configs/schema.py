@@ -450,15 +450,46 @@ class AlgorithmConfig(Section):
         return self
 
 
+class DeepSpeedConfig(Section):
+    stage: Literal[1, 2, 3] = 3
+    """ZeRO stage: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state (and its step) in CPU memory (ZeRO-Offload)."""
+    offload_params: bool = False
+    """Keep the parameters in CPU memory between uses (ZeRO-Infinity; stage 3 only)."""
+
+    @model_validator(mode="after")
+    def _params_offload_needs_stage_3(self):
+        if self.offload_params and self.stage != 3:
+            raise CheckError(("offload_params", "stage"), f"parameter offload shards parameters, which ZeRO does from "
+                             f"stage 3 on (got stage {self.stage}); set stage: 3 or offload_params: false")
+        return self
+
+
 class TrainConfig(Section):
     engine: str = "torch"
-    """Training backend: a registered name (engines.backends: torch) or a class by dotted path,
-    package.module:Class (imported only when the engine starts)."""
+    """Training backend: a registered name (engines.backends: torch, fsdp2, deepspeed) or a class by dotted
+    path, package.module:Class (imported only when the engine starts)."""
 
     @field_validator("engine")
     @classmethod
     def _engine(cls, name: str) -> str:
         return backend("train", name)
+
+    ranks: int = Field(1, gt=0)
+    """Data-parallel ranks of a sharded engine (fsdp2, deepspeed): one Ray actor each, together one process
+    group (gloo on CPU, NCCL on GPUs), each asking placement.trainer.gpus. The torch engine is one rank."""
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    """ZeRO options of train.engine: deepspeed."""
+
+    @model_validator(mode="after")
+    def _ranks_need_a_sharded_engine(self):
+        from engines.backends import is_ranked
+
+        if self.ranks > 1 and not is_ranked(f"train/{self.engine}"):
+            raise CheckError(("ranks", "engine"), f"train engine {self.engine!r} runs as one process; several ranks "
+                             "need a sharded engine (fsdp2 or deepspeed): set train.engine or train.ranks: 1")
+        return self
 
     steps: int = Field(20, gt=0)
     """RL steps: rollout batches, each trained with ppo_epochs × mini_batches optimizer steps."""

@@ -10,7 +10,7 @@ import ray
 from configs.placement import PlacementConfig
 from configs.schema import Config
 from engines import checkpoint_store as store
-from engines.actors import NAMESPACE, joined_cluster
+from engines.actors import NAMESPACE, joined_cluster, start_engine
 from engines.placement import ROLES, Reservation, RoleSpec, plan_placement, reserve
 
 
@@ -48,12 +48,32 @@ def ensure_ray() -> None:
 
 def reserve_placement(config: Config, roles: set[str]) -> Reservation:
     """The placement groups of ``roles``, those a stage starts (``placement``; none without GPUs or without
-    the section: every engine then runs on CPU, one actor per role and per reward worker)."""
+    the section: every engine then runs on CPU, one actor per role and per reward worker). The trainer and
+    critic run ``train.ranks`` actors: one bundle each when they ask GPUs, one placement group together."""
     section = config.placement or PlacementConfig()
-    specs = {role: RoleSpec(config.reward.workers if role == "reward" else getattr(section, role).replicas,
-                            getattr(section, role).gpus) for role in ROLES if role in roles}
+    actors = {"reward": config.reward.workers, "trainer": config.train.ranks, "critic": config.train.ranks}
+    specs = {role: RoleSpec(actors.get(role, getattr(section, role).replicas), getattr(section, role).gpus)
+             for role in ROLES if role in roles}
     return reserve(plan_placement(specs, section.colocate), config.run.name, section.timeout_s,
                    detached=joined_cluster())
+
+
+def start_train_engine(config: Config, role: str, placement: Reservation, **kwargs):
+    """The ``train.engine`` actor of ``role`` (trainer or critic) built from ``kwargs``: one actor, or for a
+    sharded engine (``engines.backends.RANKED``) a ``RankGroup`` of ``train.ranks`` actors with the
+    backend's options (``train.deepspeed``), rank i placed in bundle i of the role's placement group."""
+    from engines.backends import is_ranked
+    from engines.rank_group import start_rank_group
+
+    kind = f"train/{config.train.engine}"
+    if not is_ranked(kind):
+        return start_engine(kind, role=role, **placement.options(role), **kwargs)
+    if kind == "train/deepspeed":
+        options = config.train.deepspeed
+        kwargs.update(zero_stage=options.stage, offload_optimizer=options.offload_optimizer,
+                      offload_params=options.offload_params)
+    return start_rank_group(kind, role=role, world_size=config.train.ranks,
+                            placement=[placement.options(role, i) for i in range(config.train.ranks)], **kwargs)
 
 
 # Settings of the temporary server that ``start_prefect_server`` starts, by (service, field); a value the
