@@ -81,6 +81,13 @@ def _fused_adamw(model: torch.nn.Module) -> bool:
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in model.parameters())
 
 
+def adamw(parameters: list[torch.Tensor], optim: OptimSpec, *, fused: bool) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``parameters`` with ``optim``'s settings, and its LR schedule (``lr_multiplier``)."""
+    optimizer = torch.optim.AdamW(parameters, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                  weight_decay=optim.weight_decay, fused=fused)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, optim))
+
+
 class TorchTrainEngine:
     """Trainable policy (``head="policy"``) or critic (``head="value"``) with its optimizer. Lives in a Ray actor.
 
@@ -133,15 +140,15 @@ class TorchTrainEngine:
         self.share_prompts = packing and share_prompts and "flash" not in (attn_implementation or "")
         self._shared_writer: SharedWeightWriter | None = None  # created at the first shared-memory sync
         self._cuda_exporter: CudaWeightExporter | None = None  # created at the first CUDA IPC sync
+        self._build_optimizer(optim)
+
+    def _build_optimizer(self, optim: OptimSpec) -> None:
+        """``self.optimizer`` and ``self.scheduler`` (``adamw``) for the loaded model, with ``self.master``."""
         # bf16/fp16 parameters: the optimizer steps fp32 master copies (engines.training.precision)
         self.master = MasterWeights(self.model) if needs_master_weights(self.model) else None
-        self.optimizer = torch.optim.AdamW(
-            self._optimized_parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
-            fused=_fused_adamw(self.model),
-        )
+        self.optimizer, self.scheduler = adamw(self._optimized_parameters(), optim, fused=_fused_adamw(self.model))
         if self.master is not None:
             self.master.attach(self.optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_multiplier(s, optim))
 
     def _optimized_parameters(self) -> list[torch.Tensor]:
         """What the optimizer steps: the fp32 masters of a low-precision model, else its trainable parameters
@@ -199,13 +206,17 @@ class TorchTrainEngine:
         batch = batch.to(self.device)
         entropy_grad = getattr(loss_fn, "needs_entropy_grad", True)
         forward = lambda micro: self._forward(micro, entropy_grad=entropy_grad)  # noqa: E731
-        totals = run_updates(batch, loss_fn, update, forward=forward, parameters=self._optimized_parameters(),
-                             optimizer=self.optimizer, scheduler=self.scheduler,
-                             micro_batch_size=self.micro_batch_size, grad_clip=self.optim_spec.grad_clip)
+        totals = run_updates(batch, loss_fn, update, forward=forward, micro_batch_size=self.micro_batch_size,
+                             **self._step_kwargs())
         if self.head == "value":  # the critic's metrics live under critic/
             totals = {k.replace("train/", "critic/", 1): v for k, v in totals.items()}
             totals["perf/critic_compute_s"] = totals.pop("perf/train_compute_s")
         return totals
+
+    def _step_kwargs(self) -> dict:
+        """How ``engines.training.updates.optimizer_step`` steps this engine's optimizer."""
+        return dict(parameters=self._optimized_parameters(), optimizer=self.optimizer, scheduler=self.scheduler,
+                    grad_clip=self.optim_spec.grad_clip)
 
     # -- weights -------------------------------------------------------------------------------------
     def export_weights(self, bucket_bytes: int = 64 << 20) -> list[Bucket]:
@@ -280,7 +291,7 @@ class TorchTrainEngine:
         """Checksum of the weights as ``export_shared`` copied them, hashed during the copy (waits for
         it); without shared memory, the checksum of what ``export_weights`` sends (a LoRA model's base)."""
         if self._shared_writer is None:
-            return self._lora_base_checksum() if self.peft is not None else weights_checksum(self.model)
+            return self._lora_base_checksum() if self.peft is not None else self.weights_checksum()
         return self._shared_writer.wait()
 
     def optimizer_steps(self) -> int:
