@@ -70,17 +70,16 @@ def _expect_equal(version: int, expected: str, received: list) -> str:
 
 @task(name="set_memory_phase", retries=1, **TASK_DEFAULTS)
 def set_memory_phase(rollout_engines: list, train_engines: list, phase: str) -> None:
-    """Colocated roles take turns on their GPUs (``placement.colocate``): ``generate`` offloads the training
-    engines, then wakes the rollout engines; ``train`` puts the rollout engines to sleep, then reloads the
-    training engines; ``sync`` wakes the rollout engines beside the loaded trainer, for the weight sync.
+    """Colocated roles take turns on their GPUs (``placement.colocate``), in the order verl and ROLL settled
+    on: after a train step the training engines offload and the rollout engines wake (phase ``sync``: the
+    weights then go from the offloaded trainer's host copy), they generate (and evaluate) awake (phase
+    ``generate``, a no-op after ``sync``), then sleep while the training engines reload (phase ``train``).
     Memory is freed before it is taken. Each call is idempotent, so one retry is allowed."""
-    if phase == "generate":
+    if phase in ("generate", "sync"):
         ray.get([engine.offload.remote() for engine in train_engines])
         ray.get([engine.wake.remote() for engine in rollout_engines])
     elif phase == "train":
         ray.get([engine.sleep.remote() for engine in rollout_engines])
         ray.get([engine.reload.remote() for engine in train_engines])
-    elif phase == "sync":
-        ray.get([engine.wake.remote() for engine in rollout_engines])
     else:
         raise ValueError(f"unknown memory phase {phase!r}: generate, train or sync")
