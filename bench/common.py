@@ -47,6 +47,24 @@ def build_model(size: str, out_dir: str | os.PathLike, rows: list[dict], seed: i
     return str(build_tiny_model(Path(out_dir), [r["prompt"] + r["answer"] for r in rows], spec, seed=seed))
 
 
+def grpo_batch(model: str, rows: list[dict], max_new_tokens: int, prompts: int = 8, group: int = 8):
+    """A GRPO train batch on ``model``: ``prompts`` x ``group`` HF samples (temperature 1, seed 0) of the first
+    prompts of ``rows``, with uniform random rewards (seed 0)."""
+    import torch
+
+    from engines.batches import AdvantageSpec, advantage_batch
+    from engines.inference.hf import HFInferenceEngine
+    from engines.types import SamplingParams
+
+    rollout = HFInferenceEngine(model, torch_threads=2)
+    out = rollout.generate([r["prompt"] for r in rows[:prompts] for _ in range(group)],
+                           SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=0))
+    rewards = torch.rand(len(out.completions), generator=torch.Generator().manual_seed(0))
+    group_ids = torch.arange(prompts).repeat_interleave(group)
+    batch, _, _ = advantage_batch(out, rewards, group_ids, AdvantageSpec("grpo", rollout.tokenizer.pad_token_id))
+    return batch
+
+
 def scratch_dir(prefix: str) -> str:
     return tempfile.mkdtemp(prefix=f"rollflow-{prefix}-")
 

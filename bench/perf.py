@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (MAX_NEW_TOKENS, REPO, arithmetic_rows, build_model, emit, median,  # noqa: E402
+from bench.common import (MAX_NEW_TOKENS, REPO, arithmetic_rows, build_model, emit, grpo_batch, median,  # noqa: E402
                           quickstart_rows, read_result, scratch_dir)
 
 TARGET_ACCURACY = 0.45
@@ -314,19 +314,12 @@ def train_packing() -> dict:
     import torch
 
     from engines.algorithms.objective import PolicyObjective
-    from engines.inference.hf import HFInferenceEngine
-    from engines.batches import AdvantageSpec, advantage_batch
     from engines.training.torch import OptimSpec, TorchTrainEngine
-    from engines.types import SamplingParams
 
     torch.set_num_threads(2)
     rows, _ = arithmetic_rows()
     model = build_model("bench", Path(scratch_dir("model-t")) / "model", rows)
-    rollout = HFInferenceEngine(model, torch_threads=2)
-    out = rollout.generate(_long_tail_batch(rows), SamplingParams(max_new_tokens=128, temperature=1.0, seed=0))
-    rewards = torch.rand(len(out.completions), generator=torch.Generator().manual_seed(0))
-    group_ids = torch.arange(8).repeat_interleave(8)
-    batch, _, _ = advantage_batch(out, rewards, group_ids, AdvantageSpec("grpo", rollout.tokenizer.pad_token_id))
+    batch = grpo_batch(model, rows, max_new_tokens=128)  # the prompts of _long_tail_batch
     lengths = batch.attention_mask.sum(-1)
     print(f"batch: {len(batch)} rows, lengths max {int(lengths.max())} median {int(lengths.median())}, "
           f"{int(lengths.sum())} real tokens of {batch.attention_mask.numel()} padded")
