@@ -1,0 +1,307 @@
+"""DeepSpeed ZeRO training engine: one Ray actor per rank, the model's training state sharded over them.
+
+ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+arXiv:1910.02054) keeps data parallelism's compute and shards what each rank holds: stage 1 the
+optimizer state (Adam moments and fp32 master weights), stage 2 also the gradients, stage 3 also the
+parameters themselves, gathered module by module for each forward and backward. ``offload_optimizer``
+and ``offload_params`` (stage 3) keep those shards in host memory (ZeRO-Offload).
+
+Everything else is ``TorchTrainEngine``'s: the model's forward, the PPO inner loop
+(``engines.training.updates``) with the loss passed in, the LR schedule (``lr_multiplier``). Each rank
+receives the whole batch and computes micro-batches ``rank, rank + world_size, …``; ``backward`` scales
+each rank's loss by the world size, so DeepSpeed's data-parallel mean becomes the sum of the ranks'
+shares, the gradient of the whole batch. ``step()`` is the accumulation boundary (DeepSpeed's
+``managed_gradient_accumulation: false``): any number of micro-batch backwards, then one reduction,
+DeepSpeed's gradient clip, AdamW and the schedule.
+
+The ZeRO config comes from typed arguments (``zero_config``). On a machine without CUDA the engine
+imports DeepSpeed with ``DS_ACCELERATOR=cpu``, its ranks talk over gloo, and no compiled op is used (a
+torch AdamW is the client optimizer). Checkpoints are DeepSpeed's own (each rank writes its shard),
+staged locally and copied to a local folder or ``s3://``, plus each rank's RNG state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from engines.checkpoint_store import filesystem, is_remote, join
+from engines.models import resolve_device
+from engines.training.distributed import gather_objects, init_ranks
+from engines.training.torch import OptimSpec, TorchTrainEngine, _read_torch, _torch_bytes, adamw
+from engines.types import Rollouts, TrainBatch
+from engines.weight_sync import Bucket, SharedWeights, pack_buckets, tensors_checksum
+from engines.weight_sync_cuda import CudaWeights
+
+GATHER_BYTES = 256 << 20
+"""Parameter bytes gathered at once under ZeRO-3 for a checksum or an HF export (buckets: their size)."""
+
+CHECKPOINT_TAG = "zero"
+"""DeepSpeed's tag (sub-folder) of the checkpoint under ``<uri>/deepspeed``."""
+
+
+def zero_config(*, zero_stage: int, micro_batch_size: int, world_size: int, grad_clip: float, dtype: str,
+                offload_optimizer: bool = False, offload_params: bool = False, pin_memory: bool = False,
+                param_persistence_threshold: int | None = None) -> dict:
+    """The DeepSpeed config of a ZeRO ``zero_stage`` engine. ``ValueError`` (one line) for settings it
+    cannot run: another stage, parameter offload below stage 3, fp16 (bf16 or fp32 train here).
+
+    One optimizer step accumulates whatever micro-batches its ranks run (``gradient_accumulation_steps``
+    1 with ``managed_gradient_accumulation`` off: ``step()`` is the boundary); the loss is already the
+    batch's, so DeepSpeed scales nothing. ``param_persistence_threshold``: parameters of fewer elements
+    stay whole on every rank under ZeRO-3 (None: DeepSpeed's default)."""
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
+    if offload_params and zero_stage != 3:
+        raise ValueError(f"offload_params needs zero_stage 3 (only ZeRO-3 shards parameters), got stage {zero_stage}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"the deepspeed engine trains in float32 or bfloat16, got dtype {dtype!r}")
+    zero: dict = {"stage": zero_stage, "overlap_comm": False, "contiguous_gradients": True}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    if zero_stage == 3 and param_persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = param_persistence_threshold
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch_size * world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": grad_clip,
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # the client optimizer is torch's AdamW
+        "zero_force_ds_cpu_optimizer": False,  # offloaded, it still is (DeepSpeedCPUAdam needs compiled ops)
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+
+
+class _Calls(torch.nn.Module):
+    """The model as DeepSpeed's engine sees it: ``engine(fn)`` runs ``fn()`` inside the engine's forward,
+    so its hooks (ZeRO-3's gathers, the backward bookkeeping) see every pass, while ``fn`` calls the model
+    as it needs (the packed path runs the decoder and the output head separately)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn):
+        return fn()
+
+
+class DeepSpeedTrainEngine(TorchTrainEngine):
+    """``TorchTrainEngine`` on rank ``rank`` of ``world_size``, its training state sharded by ZeRO
+    ``zero_stage``. ``rendezvous``: ``host:port`` of rank 0's TCP store (None: a group of one).
+
+    Every method runs on all ranks at once (``engines.rank_group``); results come from rank 0 (other
+    ranks return the same metrics, and None or empty lists where only rank 0 has the weights)."""
+
+    def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
+                 torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
+                 head: str = "policy", packing: bool = True, share_prompts: bool = True,
+                 attn_implementation: str | None = None, gradient_checkpointing: bool = False,
+                 device: str | None = None, rank: int = 0, world_size: int = 1, rendezvous: str | None = None,
+                 zero_stage: int = 3, offload_optimizer: bool = False, offload_params: bool = False,
+                 param_persistence_threshold: int | None = None) -> None:
+        resolved = resolve_device(device)
+        self.config = zero_config(zero_stage=zero_stage, micro_batch_size=micro_batch_size, world_size=world_size,
+                                  grad_clip=optim.grad_clip, dtype=dtype, offload_optimizer=offload_optimizer,
+                                  offload_params=offload_params, pin_memory=resolved.type == "cuda",
+                                  param_persistence_threshold=param_persistence_threshold)
+        if resolved.type != "cuda":
+            os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
+        init_ranks(rank, world_size, rendezvous, resolved)
+        # what DeepSpeed's launcher would have set: this rank's place and its device's index among the visible
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(resolved.index or 0))
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if resolved.type == "cuda" else "gloo", dist_init_required=False)
+        self.rank, self.world_size, self.zero_stage = rank, world_size, zero_stage
+        super().__init__(model_path, optim, dtype=dtype, seed=seed, torch_threads=torch_threads,
+                         micro_batch_size=micro_batch_size, temperature=temperature, head=head, packing=packing,
+                         share_prompts=share_prompts, attn_implementation=attn_implementation,
+                         gradient_checkpointing=gradient_checkpointing, device=device)
+
+    def _build_optimizer(self, optim: OptimSpec) -> None:
+        """The DeepSpeed engine around the model, a torch AdamW and its schedule: DeepSpeed keeps the fp32
+        master weights of a bf16 model itself (no ``MasterWeights``)."""
+        import deepspeed
+
+        self.master = None
+        optimizer, scheduler = adamw(list(self.model.parameters()), optim, fused=False)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=_Calls(self.model), optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
+            dist_init_required=False)
+
+    # -- forward and the update step ---------------------------------------------------------------------
+    def _forward(self, micro: TrainBatch, *, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
+        return self.engine(lambda: super(DeepSpeedTrainEngine, self)._forward(micro, entropy_grad=entropy_grad))
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.engine(lambda: super(DeepSpeedTrainEngine, self).logprobs(batch))
+
+    @torch.no_grad()
+    def rollout_values(self, rollouts: Rollouts) -> torch.Tensor:
+        return self.engine(lambda: super(DeepSpeedTrainEngine, self).rollout_values(rollouts))
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """This rank's share of the batch's gradient, summed over ranks (DeepSpeed averages them)."""
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def _step(self) -> float:
+        """Reduce the accumulated gradients, clip them, step AdamW and the schedule; the norm before the clip."""
+        self.engine.step()
+        return float(self.engine.get_global_grad_norm())
+
+    def _step_kwargs(self) -> dict:
+        return dict(parameters=[], optimizer=self.optimizer, scheduler=self.scheduler,
+                    grad_clip=self.optim_spec.grad_clip, rank=self.rank, world_size=self.world_size,
+                    backward=self._backward, step=self._step)
+
+    # -- weights -------------------------------------------------------------------------------------
+    def _full_chunks(self, chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The model's ``(name, parameter)`` pairs, whole, in chunks of at most ``chunk_bytes`` (or one
+        parameter). Every rank iterates in lockstep: under ZeRO-3 each chunk is gathered from the ranks'
+        shards and released when the next is asked for, so use its tensors before that."""
+        import deepspeed
+
+        chunk, size = [], 0
+        for name, param in self.model.named_parameters():
+            nbytes = getattr(param, "ds_numel", param.numel()) * param.element_size()
+            if chunk and size + nbytes > chunk_bytes:
+                with deepspeed.zero.GatheredParameters([p for _, p in chunk]):
+                    yield chunk
+                chunk, size = [], 0
+            chunk.append((name, param))
+            size += nbytes
+        if chunk:
+            with deepspeed.zero.GatheredParameters([p for _, p in chunk]):
+                yield chunk
+
+    def _full_state(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter, whole, on rank 0 (copies under ZeRO-3); None on the other ranks."""
+        state = {}
+        for chunk in self._full_chunks(GATHER_BYTES):
+            if self.rank == 0:
+                state.update((name, p.detach().clone() if self.zero_stage == 3 else p.detach()) for name, p in chunk)
+        return state if self.rank == 0 else None
+
+    def export_weights(self, bucket_bytes: int = 64 << 20) -> list[Bucket]:
+        """The whole model in buckets of at most ``bucket_bytes`` on rank 0; ``[]`` on the others."""
+        buckets = []
+        for chunk in self._full_chunks(bucket_bytes):
+            if self.rank == 0:
+                buckets += pack_buckets(chunk, bucket_bytes)
+        return buckets
+
+    def export_shared(self, version: int) -> SharedWeights | None:
+        """Rank 0 copies the weights into shared memory under ZeRO-1/2, where it holds them whole; None
+        under ZeRO-3 and on the other ranks (the sync then sends buckets)."""
+        return super().export_shared(version) if self.rank == 0 and self.zero_stage < 3 else None
+
+    def export_cuda_ipc(self, version: int) -> CudaWeights | None:
+        """As ``TorchTrainEngine.export_cuda_ipc`` on rank 0 under ZeRO-1/2; None otherwise (buckets then)."""
+        return super().export_cuda_ipc(version) if self.rank == 0 and self.zero_stage < 3 else None
+
+    def weights_checksum(self) -> str | None:
+        """``weights_checksum`` of the whole model on rank 0 (equal to the torch engine's for the same
+        weights); None on the other ranks."""
+        self._export_done()
+        state = self._full_state()
+        return None if state is None else tensors_checksum(state.items())
+
+    # -- state ---------------------------------------------------------------------------------------
+    def save(self, uri: str) -> list[str]:
+        """DeepSpeed's checkpoint (each rank writes its shard of the model and optimizer state; the LR
+        schedule is in rank 0's) under ``uri/deepspeed``, and each rank's RNG state, staged in a local
+        folder and copied to ``uri`` (local or s3://). Returns every rank's files (on every rank)."""
+        self._export_done()
+        if self.rank == 0:  # a folder saved before, maybe by more ranks: nothing of it may stay
+            fs, path = filesystem(uri)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        torch.distributed.barrier()
+        with tempfile.TemporaryDirectory() as tmp:
+            self.engine.save_checkpoint(join(tmp, "deepspeed"), tag=CHECKPOINT_TAG, save_latest=False)
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+            Path(tmp, "rng").mkdir()
+            Path(tmp, "rng", f"rank_{self.rank}.pt").write_bytes(_torch_bytes(rng))
+            mine = _upload(tmp, uri)
+        return sorted(name for files in gather_objects(mine) for name in files)
+
+    def load(self, uri: str) -> str | None:
+        """Restore what ``save`` wrote (model, optimizer, LR schedule, this rank's RNG); returns the loaded
+        weights' checksum (rank 0)."""
+        self._export_done()
+        with _local_folder(uri) as folder:
+            path, _ = self.engine.load_checkpoint(join(folder, "deepspeed"), tag=CHECKPOINT_TAG,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+            if path is None:
+                raise FileNotFoundError(f"no deepspeed checkpoint under {uri}/deepspeed/{CHECKPOINT_TAG}")
+            rng = _read_torch(join(folder, "rng", f"rank_{self.rank}.pt"))
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        return self.weights_checksum()
+
+    def save_pretrained(self, uri: str) -> list[str]:
+        """The whole model in HF format at ``uri`` from rank 0 (the others gather with it, return [])."""
+        from engines.checkpoint_store import put_folder
+
+        state = self._full_state()
+        if state is None:
+            return []
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            return put_folder(tmp, uri)
+
+    # -- memory (engines.protocols) --------------------------------------------------------------------
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (DeepSpeed's ``offload_states``);
+        a no-op on CPU, where they are already."""
+        if self.device.type == "cuda" and not self._offloaded:
+            self._export_done()
+            self._close_cuda_export()
+            self.engine.offload_states()
+            torch.cuda.empty_cache()
+            self._offloaded = True
+
+    def reload(self) -> None:
+        """Move back what ``offload`` moved."""
+        if self._offloaded:
+            self.engine.reload_states()
+            self._offloaded = False
+
+
+def _upload(local_dir: str, uri: str) -> list[str]:
+    """Copy the files under ``local_dir`` into the folder ``uri`` (beside what is there); their relative paths."""
+    files = sorted(str(p.relative_to(local_dir)) for p in Path(local_dir).rglob("*") if p.is_file())
+    fs, path = filesystem(uri)
+    for name in files:
+        if not is_remote(uri):
+            os.makedirs(os.path.dirname(f"{path}/{name}"), exist_ok=True)
+        fs.put_file(os.path.join(local_dir, name), f"{path}/{name}")
+    return files
+
+
+@contextmanager
+def _local_folder(uri: str) -> Iterator[str]:
+    """``uri`` as a local folder: itself when local, else a temporary copy."""
+    if not is_remote(uri):
+        yield uri.removeprefix("file://")
+        return
+    fs, path = filesystem(uri)
+    with tempfile.TemporaryDirectory() as tmp:
+        fs.get(path.rstrip("/") + "/", tmp, recursive=True)
+        yield tmp
