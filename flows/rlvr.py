@@ -113,7 +113,9 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         trainable["gradient_checkpointing"] = True
     temperature = config.rollout.temperature
     judge_path = judge_model_path(domains, model_path)
-    optional = {"reference": config.algorithm.kl.coef > 0, "critic": config.algorithm.advantage == "gae",
+    # with LoRA the trainer's frozen base is the KL reference (lora_reference): no reference engine
+    optional = {"reference": config.algorithm.kl.coef > 0 and config.model.lora is None,
+                "critic": config.algorithm.advantage == "gae",
                 "judge": judge_path is not None}
     placement = reserve_placement(config, {"rollout", "trainer", "reward", *(role for role, on in optional.items() if on)})
     where = placement.options
@@ -129,9 +131,10 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
                            micro_batch_size=config.train.micro_batch_size, temperature=temperature,
                            packing=config.train.packing, share_prompts=config.train.share_prompts,
+                           **({"lora": config.model.lora.model_dump()} if config.model.lora else {}),
                            **where("trainer"), **trainable)
     reference = critic = None
-    if config.algorithm.kl.coef > 0:
+    if optional["reference"]:
         reference = start_engine("reference/torch", role="reference", micro_batch_size=config.train.micro_batch_size,
                                  temperature=temperature, packing=config.train.packing,
                                  share_prompts=config.train.share_prompts, **where("reference"), **common)
@@ -151,6 +154,11 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     tokenizer = load_tokenizer(model_path)
     return RLEngines(rollouts, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
                      stop_token_ids(tokenizer, config.rollout.stop), placement, colocated_with_rollout(config))
+
+
+def lora_reference(config: Config) -> bool:
+    """Whether the KL reference is the LoRA trainer's frozen base (adapter disabled) rather than an engine."""
+    return config.algorithm.kl.coef > 0 and config.model.lora is not None
 
 
 def colocated_with_rollout(config: Config) -> tuple[str, ...]:
@@ -361,7 +369,8 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, quote(scored.group_ids),
             build_advantage_spec(cfg, engines.pad_token_id), reference=engines.reference,
             trainer=engines.trainer if alg.old_logprobs == "trainer" else None, critic=engines.critic,
-            kl_coef=state.kl_coef, moments=state.reward_moments)
+            kl_coef=state.kl_coef, moments=state.reward_moments,
+            base_reference=engines.trainer if lora_reference(cfg) else None)
     metrics.update(advantage_metrics)
     if engines.critic is not None:
         with timed(metrics, "time/train_critic"):
@@ -377,7 +386,7 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     engines.memory_phase("sync")  # the rollout engines wake beside the trainer: for the sync and evaluation
     if policy_trains:
         with timed(metrics, "time/sync_weights"):
-            sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb)
+            sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
     if alg.kl.controller == "adaptive":
         state.kl_coef = adaptive_kl_coef(coef=state.kl_coef, observed_kl=advantage_metrics["kl/seq_mean"],
                                          target_kl=alg.kl.target, horizon=alg.kl.horizon,
@@ -425,7 +434,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     if latest is not None:
         state = RLState.from_json(restore(engines.train_engines, latest[1]))
         state.resumed_from.append(state.step)  # each attempt's starting checkpoint
-    sync_weights(engines.trainer, engines.rollouts, state.step, cfg.sync.bucket_mb)
+    sync_weights(engines.trainer, engines.rollouts, state.step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
     if state.step == 0:
         accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
         state.heldout_accuracy["0"] = accuracy
