@@ -27,7 +27,7 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 
 from configs.placement import PlacementConfig
 from configs.schema import Config
-from flows.setup import domain_rewards, final_dir, load_domains, reserve_placement
+from flows.setup import domain_rewards, final_dir, load_domains, reserve_placement, start_train_engine
 from flows.stages import stage_key
 from flows.progress import StageProgress
 from flows.tracking import RunTracker
@@ -128,11 +128,10 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     rollouts = [start_engine(f"rollout/{config.rollout.engine}", role=role, **where("rollout", i),
                              **rollout_engine_options(config, common))
                 for i, role in enumerate(roles)]
-    trainer = start_engine(f"train/{config.train.engine}", role="trainer", optim=optim, seed=config.run.seed,
-                           micro_batch_size=config.train.micro_batch_size, temperature=temperature,
-                           packing=config.train.packing, share_prompts=config.train.share_prompts,
-                           **({"lora": config.model.lora.model_dump()} if config.model.lora else {}),
-                           **where("trainer"), **trainable)
+    trainer = start_train_engine(config, "trainer", placement, optim=optim, seed=config.run.seed,
+                                 micro_batch_size=config.train.micro_batch_size, temperature=temperature,
+                                 packing=config.train.packing, share_prompts=config.train.share_prompts,
+                                 **({"lora": config.model.lora.model_dump()} if config.model.lora else {}), **trainable)
     reference = critic = None
     if optional["reference"]:
         reference = start_engine("reference/torch", role="reference", micro_batch_size=config.train.micro_batch_size,
@@ -140,8 +139,8 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
                                  share_prompts=config.train.share_prompts, **where("reference"), **common)
     if config.algorithm.advantage == "gae":
         critic_optim = OptimSpec(**config.algorithm.critic.optim.model_dump(), total_steps=optimizer_steps(config, "critic"))
-        critic = start_engine(f"train/{config.train.engine}", role="critic", optim=critic_optim, seed=config.run.seed,
-                              micro_batch_size=config.train.micro_batch_size, head="value", **where("critic"), **trainable)
+        critic = start_train_engine(config, "critic", placement, optim=critic_optim, seed=config.run.seed,
+                                    micro_batch_size=config.train.micro_batch_size, head="value", **trainable)
     # Threaded actors: a worker takes several chunks at once; its reward pool bounds the calls in flight.
     reward_workers = [start_engine("reward/worker", run_name=config.run.name, role=f"reward-{i}",
                                    max_concurrency=2 * config.reward.concurrency, rewards=domain_rewards(domains),
@@ -383,7 +382,7 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             objective = dataclasses.replace(objective, kl_coef=state.kl_coef)
         with timed(metrics, "time/train"):
             metrics.update(train(engines.trainer, batch_ref, objective, update_spec(cfg, step)))
-    engines.memory_phase("sync")  # the rollout engines wake beside the trainer: for the sync and evaluation
+    engines.memory_phase("sync")  # the trainer offloads, the rollout engines wake: for the sync and evaluation
     if policy_trains:
         with timed(metrics, "time/sync_weights"):
             sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
