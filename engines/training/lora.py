@@ -98,9 +98,10 @@ def scalings(model: torch.nn.Module) -> dict[str, float]:
 
 
 def merge_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``W_base + scaling · B @ A`` in fp32, returned in ``base``'s dtype. base: [out, in]; A: [r, in]; B: [out, r]."""
-    delta = (lora_b.float() @ lora_a.float()) * scaling  # [out, in]
-    return (base.float() + delta.to(base.device)).to(base.dtype)
+    """``W_base + scaling · B @ A`` in fp32 on ``base``'s device, returned in its dtype. base: [out, in];
+    A: [r, in]; B: [out, r] (on any device)."""
+    lora_a, lora_b = (t.to(base.device, torch.float32) for t in (lora_a, lora_b))
+    return (base.float() + (lora_b @ lora_a) * scaling).to(base.dtype)  # [out, in]
 
 
 def merged_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
