@@ -15,7 +15,8 @@ import re
 BACKENDS: dict[str, dict[str, str]] = {
     "rollout": {"hf": "engines.inference.hf:HFInferenceEngine", "vllm": "engines.inference.vllm:VLLMEngine"},
     "train": {"torch": "engines.training.torch:TorchTrainEngine",
-              "deepspeed": "engines.training.deepspeed:DeepSpeedTrainEngine"},
+              "deepspeed": "engines.training.deepspeed:DeepSpeedTrainEngine",
+              "fsdp2": "engines.training.fsdp2:FSDP2TrainEngine"},
     "reference": {"torch": "engines.training.torch:ReferenceEngine"},
     "reward": {"worker": "engines.reward_worker:RewardWorker"},
 }

@@ -386,14 +386,18 @@ class TorchTrainEngine:
             state[key] = state[key].to("cpu")
         if self.master is not None:
             self.master.to("cpu")
-        self._offloaded = (_move(self.model, "cpu"), moved)
+        self._offloaded = (_move(self._weights_module(), "cpu"), moved)
+
+    def _weights_module(self) -> torch.nn.Module:
+        """The module whose ``to()`` moves every weight: the model (a sharded engine's FSDP root)."""
+        return self.model
 
     def reload(self) -> None:
         """Move back what ``offload`` moved (each optimizer state tensor to the device it was on)."""
         if self._offloaded is None:
             return
         home, moved = self._offloaded
-        _move(self.model, home)
+        _move(self._weights_module(), home)
         if self.master is not None:
             self.master.to(home)
         for state, key, device in moved:
