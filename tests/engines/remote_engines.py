@@ -1,26 +1,37 @@
 """An engine in a Ray actor, called like a plain object: the conformance suite's view of a backend that
-runs in its own virtualenv (vLLM), which the test process cannot import."""
+runs in its own virtualenv (vLLM), which the test process cannot import, or as several ranks (FSDP2,
+DeepSpeed), each a process of its own."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 
 import ray
 
 from engines.actors import start_engine, stop_engine
 from engines.backends import engine_class
 from engines.models import load_tokenizer
+from engines.rank_group import start_rank_group
+
+_instances = itertools.count()
 
 
 class ActorProxy:
-    """Forwards each public method of the engine class to the actor and waits for the result; methods
-    keep the class's signatures (for the signature checks), errors arrive as the engine raised them."""
+    """Forwards each public method of the engine class to the actor (every rank of a sharded engine, with
+    ``world_size``) and waits for the result; methods keep the class's signatures (for the signature checks),
+    errors arrive as the engine raised them. Each proxy has actors of its own."""
 
-    def __init__(self, kind: str, model_dir: str, run_name: str = "conformance", **kwargs) -> None:
+    def __init__(self, kind: str, model_dir: str, run_name: str = "conformance", world_size: int = 0,
+                 **kwargs) -> None:
         cls = engine_class(kind)  # imports the module only: the backend package stays in the actor
-        self.handle = start_engine(kind, run_name=run_name, role=kind.replace("/", "-"), reuse=False,
-                                   model_path=model_dir, **kwargs)
+        role = f"{kind.replace('/', '-')}-{next(_instances)}"
+        if world_size:
+            self.handle = start_rank_group(kind, run_name=run_name, role=role, world_size=world_size, reuse=False,
+                                           model_path=model_dir, **kwargs)
+        else:
+            self.handle = start_engine(kind, run_name=run_name, role=role, reuse=False, model_path=model_dir, **kwargs)
         self.tokenizer = load_tokenizer(model_dir)
         for name, method in inspect.getmembers(cls, inspect.isfunction):
             if not name.startswith("_"):

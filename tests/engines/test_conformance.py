@@ -37,16 +37,20 @@ class Backend:
     kind: str  # "<role>/<name>", e.g. "rollout/hf" or "train/my_pkg.engine:MyTrainer"
     kwargs: dict[str, Any] = field(default_factory=dict)
     remote: bool = False  # runs in its own venv (engines.backends.ENVS): built as a Ray actor behind a proxy
+    ranks: int = 0  # a sharded engine (engines.backends.RANKED): this many rank actors behind a proxy
 
     def make(self, model_dir: str):
-        if self.remote:
-            return ActorProxy(self.kind, model_dir, **self.kwargs)
+        if self.remote or self.ranks:
+            return ActorProxy(self.kind, model_dir, world_size=self.ranks, **self.kwargs)
         return engine_class(self.kind)(model_dir, **self.kwargs)
 
 
 ROLLOUT_BACKENDS = [Backend("rollout/hf"),
                     pytest.param(Backend("rollout/vllm", remote=True), marks=[pytest.mark.ray, pytest.mark.vllm])]
-TRAIN_BACKENDS = [Backend("train/torch", {"optim": OptimSpec(lr=1e-3)})]
+TRAIN_BACKENDS = [Backend("train/torch", {"optim": OptimSpec(lr=1e-3)}),
+                  pytest.param(Backend("train/fsdp2", {"optim": OptimSpec(lr=1e-3)}, ranks=2), marks=pytest.mark.ray),
+                  pytest.param(Backend("train/deepspeed", {"optim": OptimSpec(lr=1e-3), "zero_stage": 3}, ranks=2),
+                               marks=pytest.mark.ray)]
 SCORING_BACKENDS = [Backend("reference/torch"), *TRAIN_BACKENDS]
 
 PROMPTS = ["12+3=", "1+1=", "29+30=", "7+8="]
@@ -56,12 +60,13 @@ PROMPTS = ["12+3=", "1+1=", "29+30=", "7+8="]
 def _ray_for_remote_backends(request):
     """Start the suite's Ray cluster for a test of a remote backend, and stop its actors after it."""
     params = getattr(getattr(request.node, "callspec", None), "params", {})
-    if any(getattr(p, "remote", False) for p in params.values()):
+    remote = any(getattr(p, "remote", False) or getattr(p, "ranks", 0) for p in params.values())
+    if remote:
         request.getfixturevalue("ray_cluster")
     yield
     from engines.actors import run_actor_names, stop_named
 
-    if any(getattr(p, "remote", False) for p in params.values()):
+    if remote:
         for name in run_actor_names("conformance"):
             stop_named(name)
 
