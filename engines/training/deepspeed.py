@@ -243,12 +243,22 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         """Restore what ``save`` wrote (model, optimizer, LR schedule, this rank's RNG); returns the loaded
         weights' checksum (rank 0)."""
         self._export_done()
-        with _local_folder(uri) as folder:
-            path, _ = self.engine.load_checkpoint(join(folder, "deepspeed"), tag=CHECKPOINT_TAG,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
-            if path is None:
+        with _local_folder(uri) as folder, tempfile.TemporaryDirectory() as tmp:
+            saved = join(folder, "deepspeed", CHECKPOINT_TAG)
+            ranks = len(list(Path(saved).glob("*zero_pp_rank_*_optim_states.pt")))
+            if ranks == 0:
                 raise FileNotFoundError(f"no deepspeed checkpoint under {uri}/deepspeed/{CHECKPOINT_TAG}")
-            rng = _read_torch(join(folder, "rng", f"rank_{self.rank}.pt"))
+            if ranks == self.world_size:
+                self.engine.load_checkpoint(join(folder, "deepspeed"), tag=CHECKPOINT_TAG)
+            else:  # shards of another world size: through DeepSpeed's universal (whole-tensor) checkpoint
+                _to_universal(saved, join(tmp, CHECKPOINT_TAG))
+                self.engine._config.load_universal_checkpoint = True
+                try:
+                    self.engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG)
+                finally:
+                    self.engine._config.load_universal_checkpoint = False
+            own = Path(folder, "rng", f"rank_{self.rank}.pt")  # a rank the saving run had not: rank 0's
+            rng = _read_torch(str(own if own.exists() else Path(folder, "rng", "rank_0.pt")))
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -282,6 +292,17 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         if self._offloaded:
             self.engine.reload_states()
             self._offloaded = False
+
+
+def _to_universal(checkpoint: str, out: str) -> None:
+    """Convert DeepSpeed checkpoint folder ``checkpoint`` (one tag) to a universal one at ``out``, which
+    loads into any world size (``deepspeed.checkpoint.ds_to_universal``)."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main
+
+    main(Namespace(input_folder=checkpoint, output_folder=out, num_extract_workers=1, num_merge_workers=1,
+                   keep_temp_folder=False, strict=True, inject_missing_state=True))
 
 
 def _upload(local_dir: str, uri: str) -> list[str]:

@@ -110,4 +110,10 @@ def test_zero_stage_trains_syncs_and_resumes_as_the_torch_engine(stage, tiny_mod
     resumed = ray.get(fresh.train_step.remote(policy_batch, PolicyObjective()))
     assert resumed["train/lr"] == ref_metrics[3]["train/lr"]
     assert ray.get(fresh.weights_checksum.remote()) == uninterrupted
-    stop_engine(fresh)
+    # the 2 ranks' checkpoint loads into 1 rank (through DeepSpeed's universal checkpoint) and goes on alike
+    single = start_rank_group("train/deepspeed", **{**args, "world_size": 1})
+    ray.get(single.load.remote(str(tmp_path / "ckpt")))
+    assert ray.get(single.optimizer_steps.remote()) == 3
+    ray.get(single.train_step.remote(policy_batch, PolicyObjective()))
+    _assert_close(ray.get(single.export_weights.remote(1 << 20)), ref_after_4)
+    stop_engine(single)
