@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from engines.checkpoint_store import write_bytes
+from engines.checkpoint_store import is_remote, write_bytes
 from engines.models import resolve_device
 from engines.training.distributed import gather_objects, init_ranks
 from engines.training.torch import OptimSpec, TorchTrainEngine, _read_torch, _torch_bytes
@@ -203,7 +203,7 @@ class FSDP2TrainEngine(TorchTrainEngine):
         self._export_done()
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         metadata = dcp.save({"model": model_state, "optim": optim_state},
-                            storage_writer=FsspecWriter(uri))
+                            storage_writer=FsspecWriter(uri, sync_files=not is_remote(uri)))  # S3: no fsync
         rngs = gather_objects(_rng_state())
         if self.rank == 0:
             write_bytes(f"{uri}/{ENGINE_STATE}", _torch_bytes({"scheduler": self.scheduler.state_dict(), "rng": rngs}))

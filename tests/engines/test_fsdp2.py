@@ -30,12 +30,13 @@ def batch(tiny_model_dir):
     return built.with_tensors(advantages=advantages, old_logprobs=built.tensors["rollout_logprobs"])
 
 
-def _group(ray_cluster, tiny_model_dir, role: str, world_size: int = 2, micro_batch_size: int = 2):
+def _group(ray_cluster, tiny_model_dir, role: str, world_size: int = 2, micro_batch_size: int = 2, env=None):
     from engines.rank_group import start_rank_group
 
+    where = {"runtime_env": {"env_vars": env}} if env else {}
     return start_rank_group("train/fsdp2", run_name="t-fsdp2", role=role, world_size=world_size, reuse=False,
                             model_path=tiny_model_dir, optim=OPTIM, micro_batch_size=micro_batch_size,
-                            torch_threads=1)
+                            torch_threads=1, **where)
 
 
 def _stop(group) -> None:
@@ -88,6 +89,12 @@ def test_two_ranks_train_as_the_torch_engine_and_sync_into_a_rollout_engine(ray_
         trainer_logprobs = ray.get(group.logprobs.remote(built))
         assert ((trainer_logprobs - built.tensors["rollout_logprobs"]) * built.loss_mask).abs().max() < 1e-4
         assert built.loss_mask.sum() > 10
+        # the same weights through shared memory: rank 0 writes them, hashing as it copies
+        fresh = HFInferenceEngine(tiny_model_dir)
+        shared = ray.get(group.export_shared.remote(2))
+        assert ray.get(group.exported_checksum.remote()) == checksum
+        assert fresh.update_weights_shared(shared) == checksum
+        ray.get(group.close.remote())
     finally:
         _stop(group)
 
@@ -130,3 +137,29 @@ def test_checkpoint_of_two_ranks_resumes_exactly_on_one_and_on_two(ray_cluster, 
                 assert max((weights[name] - t).abs().max() for name, t in continued.items()) < 1e-6
         finally:
             _stop(resumed)
+
+
+def test_checkpoint_of_one_rank_on_s3_resumes_on_two(ray_cluster, tiny_model_dir, batch, s3_server):
+    """A 1-rank checkpoint written to S3 (fsspec) loads into 2 ranks, which take the same next step."""
+    ray = ray_cluster
+    client, aws = s3_server
+    client.create_bucket(Bucket="fsdp2")
+    uri = "s3://fsdp2/ckpt"
+    single = _group(ray_cluster, tiny_model_dir, "single", world_size=1, env=aws)
+    try:
+        ray.get(single.train_step.remote(batch, OBJECTIVE))
+        assert ray.get(single.save.remote(uri)) == [".metadata", "__0_0.distcp", "engine_state.pt"]
+        saved = ray.get(single.weights_checksum.remote())
+        second = ray.get(single.train_step.remote(batch, OBJECTIVE))
+        continued = _exported(single)
+    finally:
+        _stop(single)
+    resumed = _group(ray_cluster, tiny_model_dir, "from-s3", env=aws)
+    try:
+        assert ray.get(resumed.load.remote(uri)) == saved
+        again = ray.get(resumed.train_step.remote(batch, OBJECTIVE))
+        assert [again[k] for k in METRICS] == pytest.approx([second[k] for k in METRICS], rel=1e-6)
+        weights = _exported(resumed)
+        assert max((weights[name] - t).abs().max() for name, t in continued.items()) < 1e-6
+    finally:
+        _stop(resumed)
