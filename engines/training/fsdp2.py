@@ -239,6 +239,8 @@ class FSDP2TrainEngine(TorchTrainEngine):
             return []
         with tempfile.TemporaryDirectory() as tmp:
             self.model.save_pretrained(tmp, state_dict=dict(named), safe_serialization=True)
+            self.model.config.dtype = str(self.compute_dtype).removeprefix("torch.")  # not the fp32 masters'
+            self.model.config.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             return put_folder(tmp, uri)
 

@@ -30,13 +30,14 @@ def batch(tiny_model_dir):
     return built.with_tensors(advantages=advantages, old_logprobs=built.tensors["rollout_logprobs"])
 
 
-def _group(ray_cluster, tiny_model_dir, role: str, world_size: int = 2, micro_batch_size: int = 2, env=None):
+def _group(ray_cluster, tiny_model_dir, role: str, world_size: int = 2, micro_batch_size: int = 2, env=None,
+           **kwargs):
     from engines.rank_group import start_rank_group
 
     where = {"runtime_env": {"env_vars": env}} if env else {}
     return start_rank_group("train/fsdp2", run_name="t-fsdp2", role=role, world_size=world_size, reuse=False,
                             model_path=tiny_model_dir, optim=OPTIM, micro_batch_size=micro_batch_size,
-                            torch_threads=1, **where)
+                            torch_threads=1, **where, **kwargs)
 
 
 def _stop(group) -> None:
@@ -163,3 +164,27 @@ def test_checkpoint_of_one_rank_on_s3_resumes_on_two(ray_cluster, tiny_model_dir
         assert max((weights[name] - t).abs().max() for name, t in continued.items()) < 1e-6
     finally:
         _stop(resumed)
+
+
+def test_bf16_computes_in_bf16_and_steps_fp32_masters(ray_cluster, tiny_model_dir, batch, tmp_path):
+    """dtype bfloat16: forward and backward in bf16, fp32 shards stepped (the torch engine's fp32 masters), bf16
+    weights exported and saved. Gradients are summed in another order than one process's, so the bf16
+    weights agree within one rounding step of the largest (|w| < 0.5: 2^-9), not bit for bit."""
+    import json
+
+    ray = ray_cluster
+    reference = TorchTrainEngine(tiny_model_dir, OPTIM, micro_batch_size=2, dtype="bfloat16")
+    group = _group(ray_cluster, tiny_model_dir, "bf16", dtype="bfloat16")
+    try:
+        for _ in range(3):
+            expected = reference.train_step(batch, OBJECTIVE)
+            got = ray.get(group.train_step.remote(batch, OBJECTIVE))
+            assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-2)
+        weights = _exported(group)
+        for name, param in reference.model.named_parameters():
+            assert weights[name].dtype == torch.bfloat16
+            assert (weights[name].float() - param.float()).abs().max() <= 2**-9, name
+        ray.get(group.save_pretrained.remote(str(tmp_path / "hf")))
+    finally:
+        _stop(group)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
