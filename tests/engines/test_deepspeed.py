@@ -66,7 +66,7 @@ def _assert_close(buckets, expected: dict[str, torch.Tensor]) -> None:
 @pytest.mark.ray
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_syncs_and_resumes_as_the_torch_engine(stage, tiny_model_dir, ray_cluster, policy_batch,
-                                                                  reference, tmp_path):
+                                                                  reference, tmp_path, request):
     from engines.actors import stop_engine
     from engines.inference.hf import HFInferenceEngine
     from engines.rank_group import start_rank_group
@@ -76,6 +76,11 @@ def test_zero_stage_trains_syncs_and_resumes_as_the_torch_engine(stage, tiny_mod
     # threshold 0: under ZeRO-3 every parameter is sharded, none kept whole on each rank
     args = dict(run_name=f"t-deepspeed{stage}", role="trainer", world_size=2, reuse=False, model_path=tiny_model_dir,
                 optim=OPTIM, micro_batch_size=MICRO, torch_threads=1, zero_stage=stage, param_persistence_threshold=0)
+    checkpoint = str(tmp_path / "ckpt")
+    if stage == 1:  # one stage checkpoints to S3 (fsspec), staged through each rank's local folder
+        client, aws = request.getfixturevalue("s3_server")
+        client.create_bucket(Bucket="deepspeed")
+        checkpoint, args["runtime_env"] = "s3://deepspeed/ckpt", {"env_vars": aws}
     group = start_rank_group("train/deepspeed", **args)
     for step in range(3):
         metrics = ray.get(group.train_step.remote(policy_batch, PolicyObjective()))
@@ -97,22 +102,28 @@ def test_zero_stage_trains_syncs_and_resumes_as_the_torch_engine(stage, tiny_mod
     sampled = build_train_batch(out, rollout.tokenizer.pad_token_id)
     trainer_logprobs = ray.get(group.logprobs.remote(sampled))
     assert ((trainer_logprobs - sampled.tensors["rollout_logprobs"]) * sampled.loss_mask).abs().max() < 1e-4
+    # shared memory: rank 0 holds the whole model under ZeRO-1/2; under ZeRO-3 the sync falls back to buckets
+    shared = ray.get(group.export_shared.remote(2))
+    assert (shared is None) == (stage == 3)
+    if shared is not None:
+        assert rollout.update_weights_shared(shared) == checksum
+    assert ray.get(group.exported_checksum.remote()) == checksum
 
     # save, one more step; a fresh group loads the checkpoint and takes the same step to the same weights
-    files = ray.get(group.save.remote(str(tmp_path / "ckpt")))
+    files = ray.get(group.save.remote(checkpoint))
     assert any("zero_pp_rank_1" in name for name in files) and "rng/rank_1.pt" in files
     ray.get(group.train_step.remote(policy_batch, PolicyObjective()))
     uninterrupted = ray.get(group.weights_checksum.remote())
     _assert_close(ray.get(group.export_weights.remote(1 << 20)), ref_after_4)
     fresh = start_rank_group("train/deepspeed", **args)  # replaces the group's actors
-    assert ray.get(fresh.load.remote(str(tmp_path / "ckpt"))) == checksum
+    assert ray.get(fresh.load.remote(checkpoint)) == checksum
     assert ray.get(fresh.optimizer_steps.remote()) == 3
     resumed = ray.get(fresh.train_step.remote(policy_batch, PolicyObjective()))
     assert resumed["train/lr"] == ref_metrics[3]["train/lr"]
     assert ray.get(fresh.weights_checksum.remote()) == uninterrupted
     # the 2 ranks' checkpoint loads into 1 rank (through DeepSpeed's universal checkpoint) and goes on alike
     single = start_rank_group("train/deepspeed", **{**args, "world_size": 1})
-    ray.get(single.load.remote(str(tmp_path / "ckpt")))
+    ray.get(single.load.remote(checkpoint))
     assert ray.get(single.optimizer_steps.remote()) == 3
     ray.get(single.train_step.remote(policy_batch, PolicyObjective()))
     _assert_close(ray.get(single.export_weights.remote(1 << 20)), ref_after_4)
