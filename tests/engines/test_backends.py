@@ -29,7 +29,7 @@ def test_unknown_short_name_lists_the_registered_ones():
     with pytest.raises(ConfigError, match=r"rollout\.engine: unknown rollout engine 'vlm'; registered: hf, vllm "
                                           r"\(or a class by dotted path, package\.module:Class\)"):
         load_config(None, ["rollout.engine=vlm"])
-    with pytest.raises(ConfigError, match=r"train\.engine: unknown train engine 'hf'; registered: torch"):
+    with pytest.raises(ConfigError, match=r"train\.engine: unknown train engine 'hf'; registered: deepspeed, fsdp2, torch"):
         load_config(None, ["train.engine=hf"])  # a rollout backend is not a training backend
     with pytest.raises(ValueError, match="unknown engine role 'critic'"):
         engine_class("critic/torch")

@@ -188,3 +188,26 @@ def test_bf16_computes_in_bf16_and_steps_fp32_masters(ray_cluster, tiny_model_di
     finally:
         _stop(group)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_critic_on_two_ranks_regresses_toward_the_returns(ray_cluster, tiny_model_dir, batch):
+    """head="value": the value head sits in the FSDP root. Values start at 0 (zero-initialised head) and move
+    toward the returns. (Not compared with the torch critic step by step: the token-classification head
+    applies dropout while training, so its steps depend on each process's RNG.)"""
+    from engines.algorithms.objective import ValueObjective
+
+    ray = ray_cluster
+    rollouts = HFInferenceEngine(tiny_model_dir).generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=0))
+    group = _group(ray_cluster, tiny_model_dir, "critic", head="value")
+    try:
+        assert (ray.get(group.rollout_values.remote(rollouts)) == 0).all()
+        values = batch.with_tensors(values=torch.zeros_like(batch.loss_mask), returns=batch.loss_mask * 0.5)
+        losses = [ray.get(group.train_step.remote(values, ValueObjective(clip_range=0.0)))["critic/vf_loss"]
+                  for _ in range(4)]
+        assert losses[0] == pytest.approx(0.125, rel=1e-5)  # 0.5 * (0 - 0.5)^2 on every response token
+        assert losses[-1] < 0.5 * losses[0]
+        after = ray.get(group.rollout_values.remote(rollouts))
+        mask = build_train_batch(rollouts, 0).loss_mask.bool()
+        assert after[mask].mean() > 0.1  # from 0 toward 0.5
+    finally:
+        _stop(group)
