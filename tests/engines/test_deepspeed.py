@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engines.algorithms.objective import PolicyObjective
 from engines.training.deepspeed import zero_config
@@ -108,6 +109,10 @@ def test_zero_stage_trains_syncs_and_resumes_as_the_torch_engine(stage, tiny_mod
     if shared is not None:
         assert rollout.update_weights_shared(shared) == checksum
     assert ray.get(group.exported_checksum.remote()) == checksum
+    # the HF export from rank 0 holds the whole model
+    assert "model.safetensors" in ray.get(group.save_pretrained.remote(str(tmp_path / "hf")))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    _assert_close(buckets, {name: exported[name] for name in ref_after_3})
 
     # save, one more step; a fresh group loads the checkpoint and takes the same step to the same weights
     files = ray.get(group.save.remote(checkpoint))
