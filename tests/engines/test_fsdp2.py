@@ -53,16 +53,17 @@ def _exported(group) -> dict[str, torch.Tensor]:
     return {name: t.clone() for b in ray.get(group.export_weights.remote(1 << 14)) for name, t in unpack_bucket(b)}
 
 
-@pytest.mark.parametrize("micro_batch_size", [2, 8])
+@pytest.mark.parametrize(("micro_batch_size", "gradient_checkpointing"), [(2, False), (8, True)])
 def test_two_ranks_train_as_the_torch_engine_and_sync_into_a_rollout_engine(ray_cluster, tiny_model_dir, batch,
-                                                                            micro_batch_size):
+                                                                            micro_batch_size, gradient_checkpointing):
     """5 rows in micro-batches of 2: 3 micro-batches, rank 0 computes two and rank 1 one (plus a zero-weight
     one); of 8: one micro-batch, rank 1 computes only the zero-weight one. Either way the step is the batch's:
     the same loss, gradient norm (summed over ranks, not averaged: Adam alone would hide a factor of 2) and
-    weights as one process."""
+    weights as one process, also when the blocks recompute their activations in the backward pass."""
     ray = ray_cluster
     reference = TorchTrainEngine(tiny_model_dir, OPTIM, micro_batch_size=micro_batch_size)
-    group = _group(ray_cluster, tiny_model_dir, "trainer", micro_batch_size=micro_batch_size)
+    group = _group(ray_cluster, tiny_model_dir, "trainer", micro_batch_size=micro_batch_size,
+                   gradient_checkpointing=gradient_checkpointing)
     try:
         for _ in range(3):
             expected = reference.train_step(batch, OBJECTIVE)
