@@ -53,6 +53,12 @@ def _exported(group) -> dict[str, torch.Tensor]:
     return {name: t.clone() for b in ray.get(group.export_weights.remote(1 << 14)) for name, t in unpack_bucket(b)}
 
 
+def _assert_same_step(metrics: dict, weights: dict, expected_metrics: dict, expected_weights: dict) -> None:
+    """The same step up to float rounding: metrics within 1e-6 relative, every weight within 1e-6."""
+    assert [metrics[k] for k in METRICS] == pytest.approx([expected_metrics[k] for k in METRICS], rel=1e-6)
+    assert max((weights[name] - t).abs().max() for name, t in expected_weights.items()) < 1e-6
+
+
 @pytest.mark.parametrize(("micro_batch_size", "gradient_checkpointing"), [(2, False), (8, True)])
 def test_two_ranks_train_as_the_torch_engine_and_sync_into_a_rollout_engine(ray_cluster, tiny_model_dir, batch,
                                                                             micro_batch_size, gradient_checkpointing):
@@ -134,9 +140,7 @@ def test_checkpoint_of_two_ranks_resumes_exactly_on_one_and_on_two(ray_cluster, 
                 assert [again[k] for k in METRICS] == [second[k] for k in METRICS]
                 assert ray.get(resumed.weights_checksum.remote()) == after
             else:  # one rank sums the micro-batches' gradients in another order: float rounding apart
-                assert [again[k] for k in METRICS] == pytest.approx([second[k] for k in METRICS], rel=1e-6)
-                weights = _exported(resumed)
-                assert max((weights[name] - t).abs().max() for name, t in continued.items()) < 1e-6
+                _assert_same_step(again, _exported(resumed), second, continued)
         finally:
             _stop(resumed)
 
@@ -160,9 +164,7 @@ def test_checkpoint_of_one_rank_on_s3_resumes_on_two(ray_cluster, tiny_model_dir
     try:
         assert ray.get(resumed.load.remote(uri)) == saved
         again = ray.get(resumed.train_step.remote(batch, OBJECTIVE))
-        assert [again[k] for k in METRICS] == pytest.approx([second[k] for k in METRICS], rel=1e-6)
-        weights = _exported(resumed)
-        assert max((weights[name] - t).abs().max() for name, t in continued.items()) < 1e-6
+        _assert_same_step(again, _exported(resumed), second, continued)
     finally:
         _stop(resumed)
 
