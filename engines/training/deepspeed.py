@@ -77,6 +77,7 @@ def zero_config(*, zero_stage: int, micro_batch_size: int, world_size: int, grad
         "managed_gradient_accumulation": False,
         "gradient_clipping": grad_clip,
         "bf16": {"enabled": dtype == "bfloat16"},
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if dtype == "bfloat16" else {}),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # the client optimizer is torch's AdamW
         "zero_force_ds_cpu_optimizer": False,  # offloaded, it still is (DeepSpeedCPUAdam needs compiled ops)

@@ -133,3 +133,33 @@ def test_zero_stage_trains_syncs_and_resumes_as_the_torch_engine(stage, tiny_mod
     ray.get(single.train_step.remote(policy_batch, PolicyObjective()))
     _assert_close(ray.get(single.export_weights.remote(1 << 20)), ref_after_4)
     stop_engine(single)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_steps_fp32_masters_as_the_torch_engine(stage, tiny_model_dir, ray_cluster, policy_batch):
+    """dtype bfloat16: DeepSpeed computes in bf16 and steps fp32 master shards, as the torch engine steps its
+    fp32 masters. Gradients are computed and summed in bf16 in another order than one process's, so they
+    agree to bf16 precision, not bit for bit: per step the loss and gradient norm within 1%, and after 2
+    steps each bf16 weight within two rounding steps (one is at most 2^-7 of a weight: 8 significant bits)
+    plus Adam's step of ±lr per step for a weight whose gradient is rounding noise, whose sign either side
+    may take."""
+    from engines.actors import stop_engine
+    from engines.rank_group import start_rank_group
+
+    ray = ray_cluster
+    reference = TorchTrainEngine(tiny_model_dir, OPTIM, dtype="bfloat16", micro_batch_size=MICRO)
+    group = start_rank_group("train/deepspeed", run_name=f"t-deepspeed-bf16-{stage}", role="trainer", world_size=2,
+                             reuse=False, model_path=tiny_model_dir, optim=OPTIM, dtype="bfloat16",
+                             micro_batch_size=MICRO, torch_threads=1, zero_stage=stage)
+    for step in range(2):
+        expected = reference.train_step(policy_batch, PolicyObjective())
+        metrics = ray.get(group.train_step.remote(policy_batch, PolicyObjective()))
+        for key in ("train/loss", "train/grad_norm"):
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-2), (step, key)
+    got = {name: t for b in ray.get(group.export_weights.remote(1 << 20)) for name, t in unpack_bucket(b)}
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    for name, p in reference.model.named_parameters():
+        a, b = got[name].float(), p.detach().float()
+        assert ((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2**-6 + 2 * OPTIM.lr).all(), name
+    stop_engine(group)
