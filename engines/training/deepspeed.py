@@ -112,7 +112,9 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
                  attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                  device: str | None = None, rank: int = 0, world_size: int = 1, rendezvous: str | None = None,
                  zero_stage: int = 3, offload_optimizer: bool = False, offload_params: bool = False,
-                 param_persistence_threshold: int | None = None) -> None:
+                 param_persistence_threshold: int | None = None, lora: dict | None = None) -> None:
+        if lora is not None:
+            raise ValueError("train.engine=deepspeed does not take model.lora yet; use train.engine=torch for LoRA")
         resolved = resolve_device(device)
         self.config = zero_config(zero_stage=zero_stage, micro_batch_size=micro_batch_size, world_size=world_size,
                                   grad_clip=optim.grad_clip, dtype=dtype, offload_optimizer=offload_optimizer,
