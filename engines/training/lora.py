@@ -170,8 +170,11 @@ class AdapterMerger:
             base = self._base.get(name)
             if base is None:
                 base = self._base[name] = params[name].detach().clone()
-            params[name].copy_(merge_weight(base, tensors[f"{layer}.lora_A.weight"], tensors[f"{layer}.lora_B.weight"],
-                                            scaling))
+            lora_a, lora_b = tensors[f"{layer}.lora_A.weight"], tensors[f"{layer}.lora_B.weight"]
+            if base.dtype == torch.float32:  # one pass over the weight: W = W_base + scaling · B @ A
+                torch.addmm(base, lora_b.to(base), lora_a.to(base), alpha=scaling, out=params[name])
+            else:  # a low-precision weight: merged in fp32, then rounded once
+                params[name].copy_(merge_weight(base, lora_a, lora_b, scaling))
         self.checksum = adapter_checksum(self.base_checksum, sorted(tensors.items()), update.scalings)
         return self.checksum, len(tensors), update.nbytes
 
