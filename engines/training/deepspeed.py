@@ -35,7 +35,7 @@ import torch
 from engines.checkpoint_store import filesystem, is_remote, join
 from engines.models import resolve_device
 from engines.training.distributed import gather_objects, init_ranks
-from engines.training.torch import OptimSpec, TorchTrainEngine, _read_torch, _torch_bytes, adamw
+from engines.training.torch import OptimSpec, TorchTrainEngine, _fused_adamw, _read_torch, _torch_bytes, adamw
 from engines.types import Rollouts, TrainBatch
 from engines.weight_sync import Bucket, SharedWeights, pack_buckets, tensors_checksum
 from engines.weight_sync_cuda import CudaWeights
@@ -140,7 +140,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         import deepspeed
 
         self.master = None
-        optimizer, scheduler = adamw(list(self.model.parameters()), optim, fused=False)
+        optimizer, scheduler = adamw(list(self.model.parameters()), optim, fused=_fused_adamw(self.model))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=_Calls(self.model), optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
             dist_init_required=False)
