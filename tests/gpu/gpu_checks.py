@@ -1,5 +1,6 @@
 """GPU checks of the HF rollout engine and the torch trainer on one CUDA device: bf16 engines, their
-log-prob parity, one RL step with the three weight paths, CUDA IPC across processes, offload/reload.
+log-prob parity, one RL step with the three weight paths, CUDA IPC across processes, offload/reload; and
+FSDP2 as one NCCL rank, and a LoRA trainer with adapter syncs merged on the GPU.
 
 Plain functions that import only torch, transformers, numpy and this repository (xxhash when present),
 so they run on a bare GPU host without Ray, vLLM, pytest or a network: ``bash tests/gpu/run.sh`` runs
@@ -225,8 +226,75 @@ def check_offload_frees_memory(models: dict[str, str]) -> str:
     return f"trainer freed {freed / 2**20:.0f} MiB, rollout {rollout_freed / 2**20:.0f} MiB of {n / 1e6:.1f}M parameters"
 
 
+def _weights(engine) -> dict[str, torch.Tensor]:
+    """An engine's exported weights (HF names) as fp32 host tensors."""
+    from engines.weight_sync import unpack_bucket
+
+    return {name: tensor.float().cpu() for bucket in engine.export_weights(64 << 20) for name, tensor in unpack_bucket(bucket)}
+
+
+def check_fsdp2_one_rank_nccl(models: dict[str, str]) -> str:
+    """FSDP2 as one rank of an NCCL group: bf16 compute with fp32 shards trains like the torch engine (3 SFT
+    steps, weights within bf16 rounding), its export loads into a CUDA rollout engine with the trainer's
+    checksum, and offload frees its shards and Adam state."""
+    from engines.training.fsdp2 import FSDP2TrainEngine
+
+    batch = sft_batch(models["medium"], PROMPTS, TARGETS)
+    sharded = FSDP2TrainEngine(models["medium"], OptimSpec(lr=1e-4), dtype="bfloat16", device=DEVICE, micro_batch_size=2)
+    reference = TorchTrainEngine(models["medium"], OptimSpec(lr=1e-4), dtype="bfloat16", device=DEVICE, micro_batch_size=2)
+    for _ in range(3):
+        ours, theirs = sharded.train_step(batch, SFTObjective()), reference.train_step(batch, SFTObjective())
+    assert abs(ours["train/loss"] - theirs["train/loss"]) < 1e-2 * abs(theirs["train/loss"]), (ours, theirs)
+    a, b = _weights(sharded), _weights(reference)
+    gap = max(float((a[k] - b[k]).abs().max()) for k in b)
+    assert a.keys() == b.keys() and gap <= 2 ** -6, gap  # a few bf16 rounding steps of weights of magnitude < 2
+    rollout = HFInferenceEngine(models["medium"], dtype="bfloat16", device=DEVICE)
+    rollout.begin_update(1)
+    for bucket in sharded.export_weights(64 << 20):
+        rollout.receive(bucket)
+    assert rollout.commit(1).checksum == sharded.weights_checksum()
+    n = sum(p.numel() for p in reference.model.parameters())
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_allocated()
+    sharded.offload()
+    freed = loaded - torch.cuda.memory_allocated()
+    assert freed >= 0.99 * 12 * n, (freed, 12 * n)  # by hand: fp32 shards 4 B + AdamW moments 8 B per parameter
+    sharded.reload()
+    assert math.isfinite(sharded.train_step(batch, SFTObjective())["train/loss"])
+    return f"max |weight gap| to the torch engine {gap:.1e}; offload freed {freed / 2**20:.0f} MiB"
+
+
+LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def check_lora_on_cuda(models: dict[str, str]) -> str:
+    """A bf16 LoRA trainer on CUDA: only the adapter moves, the CUDA rollout engine takes the base once and then
+    the adapter (merged on the GPU) with the trainer's checksum and log-probs within bf16 precision, and the
+    adapter disabled gives the base model's log-probs."""
+    trainer = TorchTrainEngine(models["small"], OptimSpec(lr=1e-2), dtype="bfloat16", device=DEVICE, micro_batch_size=4,
+                               lora=LORA)
+    rollout = HFInferenceEngine(models["small"], dtype="bfloat16", device=DEVICE)
+    batch = sft_batch(models["small"], PROMPTS, TARGETS)
+    for _ in range(3):
+        trainer.train_step(batch, SFTObjective())
+    rollout.begin_update(1)
+    for bucket in trainer.export_weights(64 << 20):  # the base, once
+        rollout.receive(bucket)
+    rollout.commit(1)
+    update = trainer.export_adapter(2, 64 << 20)
+    report = rollout.update_adapter(update)
+    assert report is not None and report.checksum == trainer.weights_checksum()
+    out = rollout.generate(PROMPTS * 2, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))
+    sampled = build_train_batch(out, _pad(rollout))
+    gap = ((trainer.logprobs(sampled) - sampled.tensors["rollout_logprobs"]) * sampled.loss_mask).abs().max()
+    assert gap < 5e-2, float(gap)
+    reference = TorchTrainEngine(models["small"], OptimSpec(), dtype="bfloat16", device=DEVICE, micro_batch_size=4)
+    assert torch.allclose(trainer.reference_logprobs(batch), reference.logprobs(batch), atol=1e-6)
+    return f"adapter {update.nbytes} bytes a sync; log-prob gap {float(gap):.1e}"
+
+
 CHECKS = [check_hf_engine_bf16, check_trainer_bf16, check_logprob_parity, check_rl_step_and_weight_sync,
-          check_cuda_ipc_across_processes, check_offload_frees_memory]
+          check_cuda_ipc_across_processes, check_offload_frees_memory, check_fsdp2_one_rank_nccl, check_lora_on_cuda]
 
 
 def main() -> int:
