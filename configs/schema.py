@@ -627,9 +627,10 @@ class Config(Section):
                 raise CheckError(("algorithm.dynamic_sampling.enabled", "data.domains"),
                                  "dynamic sampling drops groups and would change the domains' shares; "
                                  "disable algorithm.dynamic_sampling with data.domains")
-        if self.model.lora is not None and self.rollout.engine != "hf":
-            raise CheckError(("model.lora", "rollout.engine"), f"LoRA adapters sync into the hf rollout engine only; "
-                             f"set rollout.engine=hf (got {self.rollout.engine!r}) or remove model.lora")
+        if self.model.lora is not None and self.rollout.engine not in ("hf", "vllm"):
+            raise CheckError(("model.lora", "rollout.engine"), "LoRA adapters sync into the hf and vllm rollout "
+                             f"engines only; set rollout.engine=hf or vllm (got {self.rollout.engine!r}) "
+                             "or remove model.lora")
         keep_groups = self.algorithm.advantage in advantages.GROUP_ESTIMATORS
         units = self.rollout.prompts_per_step * (1 if keep_groups else self.rollout.group_size)
         if self.train.mini_batches > units:

@@ -18,12 +18,21 @@ weights (``update_weights_cuda_ipc``), read device to device into the same reloa
 its checksum is that of the bytes it received, under the trainer's formula (equal to the trainer's
 ``weights_checksum`` when every parameter arrived intact), and the flow checks the result by the drift
 between the trainer's and this engine's log-probs of the same sampled tokens (``sync/logprob_drift_*``).
+
+LoRA (``max_lora_rank``): a LoRA trainer's base arrives as a whole update, then each adapter version
+(``update_adapter``) is written in peft's format to a folder of its own and every ``generate`` serves it
+as a ``LoRARequest`` under a fresh id; the previous version is unloaded and its folder removed. vLLM runs
+the adapter as its own low-rank branch (the base weights stay as they arrived), and the engine reports the
+``adapter_checksum`` of the base it received and the adapter's bytes, as the HF engine does.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +41,7 @@ import torch
 
 from engines.models import load_tokenizer, local_model_path, set_torch_threads
 from engines.protocols import UpdateReport
+from engines.training.lora import AdapterUpdate, adapter_checksum
 from engines.types import Rollouts, SamplingParams
 from engines.weight_sync import Bucket, _combine_digests, _tensor_digest, unpack_bucket
 
@@ -56,7 +66,9 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0, seed: int = 0,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
-                 cpu_kv_cache_gib: float = 1.0, enforce_eager: bool | None = None, sleep_level: int = 1) -> None:
+                 cpu_kv_cache_gib: float = 1.0, enforce_eager: bool | None = None, sleep_level: int = 1,
+                 max_lora_rank: int | None = None) -> None:
+        """``max_lora_rank``: the rank of the LoRA adapters to serve (``model.lora.r``; None: no LoRA)."""
         on_cpu = not torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this actor
         if on_cpu:
@@ -75,12 +87,17 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                        worker_extension_cls="engines.inference.vllm_worker.WeightReceiver",
                        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=not on_cpu)
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=not on_cpu,
+                       **_lora_options(max_lora_rank))
         self._on_cpu, self._sleep_level = on_cpu, sleep_level
         self._version = 0
         self._update: _OpenUpdate | None = None
         self._asleep = False
         self._told_cpu_sleep = False
+        self._base_checksum: str | None = None  # the weights of the last whole update: an adapter's base
+        self._adapter = None  # the LoRARequest of the adapter served now
+        self._adapter_ids = 0  # each adapter version loads under a new id
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="rollflow-vllm-lora-")) if max_lora_rank else None
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> Rollouts:
@@ -98,7 +115,8 @@ class VLLMEngine:
                                  top_p=sampling.top_p, top_k=sampling.top_k, seed=request_seed(sampling.seed, i),
                                  stop_token_ids=stop_ids, logprobs=0, detokenize=False)
                     for i in range(len(prompt_ids))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], requests, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], requests, use_tqdm=False,
+                                    lora_request=self._adapter)
         completions = [out.outputs[0] for out in outputs]
         rows, width = len(completions), max((len(c.token_ids) for c in completions), default=0)
         response_ids = torch.full((rows, width), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -135,6 +153,7 @@ class VLLMEngine:
         self.llm.collective_rpc("rollflow_begin_update")
         self._update = _OpenUpdate(version)
         self._checksum = f"partial update v{version}"  # no longer the old weights, not yet the new ones
+        self._base_checksum = None
 
     def receive(self, bucket: Bucket) -> int:
         """Stream one bucket's HF-named tensors into the worker; returns the tensors loaded."""
@@ -184,7 +203,40 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV of the old weights must not serve the new ones
         self._checksum = _combine_digests((name, meta, digest) for name, (meta, digest) in update.digests.items())
         self._update, self._version = None, version
+        self._drop_adapter()  # it was for the old base
+        self._base_checksum = self._checksum
         return UpdateReport(version, self._checksum, update.tensors, update.nbytes)
+
+    def update_adapter(self, update: AdapterUpdate) -> UpdateReport | None:
+        """Serve adapter ``update`` (a LoRA trainer's, ``engines.training.lora``) over the base held; returns its
+        report (``checksum``: ``adapter_checksum`` of the base and adapter), or None when this engine does not
+        hold that base (none arrived whole yet, or another), so the caller sends the base first."""
+        from vllm.lora.request import LoRARequest
+
+        self._check_ready("update_adapter()")
+        if self._base_checksum is None or self._base_checksum != update.base_checksum:
+            return None
+        if self._adapter_root is None:
+            raise RuntimeError("update_adapter() on a vLLM engine started without LoRA: pass max_lora_rank "
+                               "(the flow does when model.lora is set)")
+        tensors = sorted((name, tensor) for bucket in update.buckets for name, tensor in unpack_bucket(bucket))
+        path = write_peft_adapter(self._adapter_root / f"v{update.version}-{self._adapter_ids + 1}", tensors,
+                                  update.scalings)
+        self._drop_adapter()
+        self._adapter_ids += 1
+        self._adapter = LoRARequest(f"rollflow-v{update.version}", self._adapter_ids, str(path))
+        self.llm.llm_engine.add_lora(self._adapter)  # loads it now: a bad adapter fails here, not in generate
+        self.llm.reset_prefix_cache()
+        self._checksum = adapter_checksum(self._base_checksum, tensors, update.scalings)
+        self._version = update.version
+        return UpdateReport(update.version, self._checksum, len(tensors), update.nbytes)
+
+    def _drop_adapter(self) -> None:
+        """Stop serving the current adapter: unload it and remove its folder."""
+        if self._adapter is not None:
+            self.llm.llm_engine.remove_lora(self._adapter.lora_int_id)
+            shutil.rmtree(self._adapter.lora_path, ignore_errors=True)
+            self._adapter = None
 
     def update_weights(self, version: int, buckets: list[Bucket]) -> str:
         """A whole update in one call (one Ray round trip): begin, receive every bucket, commit."""
@@ -240,6 +292,42 @@ class VLLMEngine:
             raise RuntimeError(f"{call} during weight update v{self._update.version}: commit it first")
         if self._asleep:
             raise RuntimeError(f"{call} while the engine sleeps (sleep/offload): call wake() or reload() first")
+
+
+def _lora_options(max_lora_rank: int | None) -> dict:
+    """``vllm.LLM`` keywords that serve one LoRA adapter of rank ``max_lora_rank`` (vLLM takes only some
+    ranks: the smallest of them that holds it); none without LoRA."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    if max_lora_rank is None:
+        return {}
+    ranks = [rank for rank in get_args(MaxLoRARanks) if rank >= max_lora_rank]
+    if not ranks:
+        raise ValueError(f"vLLM serves LoRA ranks up to {max(get_args(MaxLoRARanks))}; model.lora.r is {max_lora_rank}")
+    return {"enable_lora": True, "max_lora_rank": min(ranks), "max_loras": 1}
+
+
+def write_peft_adapter(path: Path, tensors: list[tuple[str, torch.Tensor]], scalings: dict[str, float]) -> Path:
+    """Write an adapter in peft's saved format to folder ``path``: ``adapter_model.safetensors`` (each
+    ``<layer>.lora_A.weight`` [r, in] / ``.lora_B.weight`` [out, r] under ``base_model.model.``) and
+    ``adapter_config.json`` (``r``, ``lora_alpha = scaling · r``, the adapted modules' last names)."""
+    from safetensors.torch import save_file
+
+    ranks = {tensor.shape[0] for name, tensor in tensors if name.endswith(".lora_A.weight")}
+    if len(ranks) != 1 or len(set(scalings.values())) != 1:
+        raise ValueError(f"a vLLM adapter has one rank and one scaling for every layer; got ranks {sorted(ranks)}, "
+                         f"scalings {sorted(set(scalings.values()))}")
+    r, scaling = ranks.pop(), next(iter(scalings.values()))
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({f"base_model.model.{name}": tensor.contiguous() for name, tensor in tensors},
+              str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": scaling * r, "bias": "none",
+              "target_modules": sorted({layer.rsplit(".", 1)[-1] for layer in scalings}), "lora_dropout": 0.0,
+              "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
 
 
 def _checkpoint_names(path: str) -> set[str]:

@@ -90,6 +90,52 @@ def test_rows_of_one_prompt_sample_apart_and_a_rerun_repeats_them(vllm_engine):
     assert torch.equal(again.response_ids, first.response_ids) and torch.equal(again.logprobs, first.logprobs)
 
 
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_lora_adapter_versions_give_the_lora_trainers_log_probs_and_checksum(ray_cluster, tiny_model_dir):
+    from remote_engines import ActorProxy
+    from test_lora import LORA, _perturb_adapter
+
+    from engines.training.torch import OptimSpec, TorchTrainEngine
+
+    trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-2), lora=LORA)
+    with torch.no_grad():  # a base other than the checkpoint's: the whole update must reach vLLM's LoRA layers
+        gen = torch.Generator().manual_seed(7)
+        for name, param in trainer.model.named_parameters():
+            if ".base_layer." in name:
+                param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    engine = ActorProxy("rollout/vllm", tiny_model_dir, run_name="test-vllm", max_lora_rank=LORA["r"])
+    try:
+        assert engine.update_adapter(trainer.export_adapter(1)) is None  # no base held yet: send it first
+        assert engine.update_weights(1, trainer.export_weights()) == trainer.exported_checksum()
+        sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+        served = []
+        for version, seed in ((2, 0), (3, 1)):
+            _perturb_adapter(trainer, seed)
+            report = engine.update_adapter(trainer.export_adapter(version))
+            assert report.checksum == trainer.weights_checksum() == engine.weights_checksum()
+            assert report.tensors == 28 and engine.weights_version() == version  # A and B of 7 layers x 2 blocks
+            out = engine.generate(PROMPTS, sampling)
+            batch = build_train_batch(out, engine.tokenizer.pad_token_id)
+            rollout_logprobs = batch.tensors["rollout_logprobs"]
+            assert out.weights_version == version and batch.loss_mask.sum() > 12
+            assert ((trainer.logprobs(batch) - rollout_logprobs) * batch.loss_mask).abs().max() < 1e-4
+            # the adapter moves the log-probs (0.2-scale A and B): the base alone does not give them
+            assert ((trainer.reference_logprobs(batch) - rollout_logprobs) * batch.loss_mask).abs().max() > 1e-2
+            served.append((report.checksum, out))
+        (first, v2), (second, v3) = served
+        assert first != second and not torch.equal(v2.logprobs, v3.logprobs)  # the newer adapter replaced the older
+
+        base = engine.update_weights(4, trainer.export_weights())  # a whole update drops the adapter
+        assert engine.weights_checksum() == base == trainer.exported_checksum()
+        batch = build_train_batch(engine.generate(PROMPTS, sampling), engine.tokenizer.pad_token_id)
+        gap = (trainer.reference_logprobs(batch) - batch.tensors["rollout_logprobs"]) * batch.loss_mask
+        assert gap.abs().max() < 1e-4
+        assert engine.update_adapter(trainer.export_adapter(5)).checksum == trainer.weights_checksum()
+    finally:
+        engine.stop()
+
+
 def _fake_python(tmp_path, versions: dict[str, str]) -> str:
     script = tmp_path / "python"
     script.write_text(f"#!/bin/sh\necho '{json.dumps(versions)}'\n")
