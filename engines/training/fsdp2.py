@@ -21,6 +21,13 @@ Weights leave whole: every rank gathers each parameter in step (``full_tensor``)
 the compute dtype (buckets or shared memory; no CUDA IPC) and the other ranks return nothing. Checkpoints
 are ``torch.distributed.checkpoint`` folders (each rank writes its shards; local or s3:// through
 fsspec) that load into any rank count, plus rank 0's file of scheduler and per-rank RNG states.
+
+LoRA (``lora``): the torch engine wraps the model with peft before it is sharded, so each block's shards
+hold its frozen base and trainable adapter together (FSDP2 reduce-scatters only the gradients that exist)
+and AdamW holds the adapter's shards. What the torch engine does with a LoRA model it does here on
+gathered tensors: the base sync (HF names, compute dtype), ``export_adapter`` (fp32, rank 0), the
+checksum (the base's hashed once), the merged and adapter exports. The reference log-probs disable the
+adapter. Checkpoints hold the adapter and its optimizer state, not the base.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -41,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from engines.checkpoint_store import is_remote, write_bytes
 from engines.models import resolve_device
 from engines.training.distributed import gather_objects, init_ranks
+from engines.training.lora import AdapterUpdate, merge_tensors, peft_state_dict, scalings
 from engines.training.torch import OptimSpec, TorchTrainEngine, _read_torch, _torch_bytes
 from engines.types import Rollouts, TrainBatch
 from engines.weight_sync import Bucket, SharedWeights, pack_buckets, tensors_checksum
@@ -99,8 +107,6 @@ class FSDP2TrainEngine(TorchTrainEngine):
                  attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                  device: str | None = None, rank: int = 0, world_size: int = 1, rendezvous: str | None = None,
                  reshard_after_forward: bool = True, lora: dict | None = None) -> None:
-        if lora is not None:
-            raise ValueError("train.engine=fsdp2 does not take model.lora yet; use train.engine=torch for LoRA")
         device = resolve_device(device)
         init_ranks(rank, world_size, rendezvous, device)
         self.rank, self.world_size = rank, world_size
@@ -109,14 +115,14 @@ class FSDP2TrainEngine(TorchTrainEngine):
         super().__init__(model_path, optim, dtype="float32", seed=seed, torch_threads=torch_threads,
                          micro_batch_size=micro_batch_size, temperature=temperature, head=head, packing=packing,
                          share_prompts=share_prompts, attn_implementation=attn_implementation,
-                         gradient_checkpointing=gradient_checkpointing, device="cpu")
+                         gradient_checkpointing=gradient_checkpointing, device="cpu", lora=lora)
         self.device = device
         with torch.no_grad():  # the masters start from the weights in the run's dtype, as the torch engine's do
             for param in self.model.parameters():
                 param.copy_(param.to(self.compute_dtype))
         mesh = init_device_mesh(device.type, (world_size,))
         self._root = shard_model(self.model, mesh, self.compute_dtype, reshard_after_forward)
-        self._build_optimizer(optim)  # AdamW over the sharded parameters
+        self._build_optimizer(optim)  # AdamW over the sharded parameters (a LoRA model's: the adapter's)
 
     # -- forward: through the FSDP root ------------------------------------------------------------------
     @torch.no_grad()
@@ -150,22 +156,32 @@ class FSDP2TrainEngine(TorchTrainEngine):
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     # -- weights -------------------------------------------------------------------------------------
-    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter whole, in the compute dtype, by HF name (tied weights once), one at a time: each
+    def _gathered(self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each of ``named``'s (sharded) parameters whole, in ``dtype`` (None: its own), one at a time: each
         rank gathers each parameter in step (``full_tensor``); only rank 0's iteration yields them."""
-        for name, param in self.model.named_parameters():
+        for name, param in named:
             full = param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
             if self.rank == 0:
-                yield name, full.to(self.compute_dtype)
+                yield name, full if dtype is None else full.to(dtype)
 
     def _synced_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """``_gathered`` as a list: rank 0's whole weights, the other ranks' empty."""
-        return list(self._gathered())
+        """What a full sync sends (the torch engine's: every parameter by HF name, tied weights once, or a LoRA
+        model's base), gathered in the compute dtype: rank 0's whole weights, the other ranks' empty."""
+        return list(self._gathered(super()._synced_parameters(), self.compute_dtype))
+
+    def _adapter_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """A LoRA model's adapter gathered whole in its own dtype (fp32, as the torch engine's): rank 0's."""
+        return list(self._gathered(super()._adapter_tensors(), None))
 
     def export_weights(self, bucket_bytes: int = 64 << 20) -> list[Bucket]:
-        """The whole model in buckets of at most ``bucket_bytes`` on rank 0 (each parameter packed as it is
-        gathered); ``[]`` on the others."""
-        return pack_buckets(self._gathered(), bucket_bytes)
+        """What a full sync sends in buckets of at most ``bucket_bytes`` on rank 0 (each parameter packed as it
+        is gathered); ``[]`` on the others."""
+        return pack_buckets(self._gathered(super()._synced_parameters(), self.compute_dtype), bucket_bytes)
+
+    def export_adapter(self, version: int, bucket_bytes: int = 64 << 20) -> AdapterUpdate | None:
+        """The torch engine's ``export_adapter`` of the gathered adapter on rank 0; None on the others."""
+        update = super().export_adapter(version, bucket_bytes)
+        return update if self.rank == 0 else None
 
     def export_shared(self, version: int) -> SharedWeights | None:
         """Rank 0 copies the gathered weights into shared memory (``TorchTrainEngine.export_shared``); the
@@ -180,11 +196,11 @@ class FSDP2TrainEngine(TorchTrainEngine):
         return None
 
     def weights_checksum(self) -> str | None:
-        """The torch engine's ``weights_checksum`` of the whole weights in the compute dtype (rank 0; None
-        on the other ranks, which gather with it)."""
+        """The torch engine's ``weights_checksum`` of the whole weights in the compute dtype, or of a LoRA
+        model's base (hashed once) and gathered adapter (rank 0; None on the other ranks, which gather with it)."""
         self._export_done()
-        named = self._synced_parameters()
-        return tensors_checksum(named) if self.rank == 0 else None
+        checksum = super().weights_checksum() if self.peft is not None else tensors_checksum(self._synced_parameters())
+        return checksum if self.rank == 0 else None
 
     def exported_checksum(self) -> str | None:
         """Checksum of what ``export_shared`` copied (rank 0 wrote it; waits for the copy), or of the
@@ -192,17 +208,18 @@ class FSDP2TrainEngine(TorchTrainEngine):
         shared = [self._shared_writer is not None]
         if self.world_size > 1:
             dist.broadcast_object_list(shared, src=0)  # only rank 0 knows whether it wrote shared memory
-        if not shared[0]:
-            return self.weights_checksum()
-        return self._shared_writer.wait() if self.rank == 0 else None
+        if shared[0] and self.rank != 0:
+            return None
+        checksum = super().exported_checksum()  # without shared memory every rank gathers in step
+        return checksum if self.rank == 0 else None
 
     # -- state ---------------------------------------------------------------------------------------
     def save(self, uri: str) -> list[str]:
         """Write model and optimizer shards (``torch.distributed.checkpoint``, every rank its own), then rank 0
-        writes ``ENGINE_STATE``; returns the files under ``uri``."""
+        writes ``ENGINE_STATE``; returns the files under ``uri``. The model state is the trained parameters:
+        all of them, or a LoRA model's adapter (its frozen base is the model's, not saved)."""
         self._export_done()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        metadata = dcp.save({"model": model_state, "optim": optim_state},
+        metadata = dcp.save(self._checkpoint_state(),
                             storage_writer=FsspecWriter(uri, sync_files=not is_remote(uri)))  # S3: no fsync
         rngs = gather_objects(_rng_state())
         if self.rank == 0:
@@ -214,10 +231,10 @@ class FSDP2TrainEngine(TorchTrainEngine):
         """Restore what ``save`` wrote, by any number of ranks; returns the loaded weights' checksum (rank 0).
         A rank without an RNG state of its own in the checkpoint (more ranks than saved it) takes rank 0's."""
         self._export_done()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)  # the shapes and shards to fill
-        state = {"model": model_state, "optim": optim_state}
+        state = self._checkpoint_state()  # the shapes and shards to fill
         dcp.load(state, storage_reader=FsspecReader(uri))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=self.peft is None))  # a LoRA model's base is no key of it
         extra = _read_torch(f"{uri}/{ENGINE_STATE}")
         self.scheduler.load_state_dict(extra["scheduler"])
         rng = extra["rng"][self.rank] if self.rank < len(extra["rng"]) else extra["rng"][0]
@@ -226,18 +243,33 @@ class FSDP2TrainEngine(TorchTrainEngine):
         np.random.set_state(rng["numpy"])
         return self.weights_checksum()
 
+    def _checkpoint_state(self) -> dict:
+        """``{"model", "optim"}``: the sharded state a checkpoint holds. A LoRA model's model state is its
+        trained parameters only (``_trained_parameters``: the adapter; torch's ``ignore_frozen_params`` would
+        keep the tied copy of a frozen embedding); ``dcp.load`` fails on any of them a checkpoint lacks."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        if self.peft is not None:
+            trained = {name for name, _ in self._trained_parameters()}
+            model_state = {name: value for name, value in model_state.items() if name in trained}
+        return {"model": model_state, "optim": optim_state}
+
     def save_pretrained(self, uri: str) -> list[str]:
         """The whole model in HF format at ``uri`` in the compute dtype, written by rank 0 (the other ranks
-        gather with it and return [])."""
+        gather with it and return []). A LoRA model is saved as the torch engine saves it: merged, and its
+        adapter in peft's format under ``adapter/``."""
         import tempfile
 
         from engines.checkpoint_store import put_folder
 
         self._export_done()
         named = self._synced_parameters()
+        adapter = self._adapter_tensors() if self.peft is not None else None
         if self.rank != 0:
             return []
         with tempfile.TemporaryDirectory() as tmp:
+            if adapter is not None:
+                named = merge_tensors(named, adapter, scalings(self.model))
+                self.peft.save_pretrained(f"{tmp}/adapter", safe_serialization=True, state_dict=peft_state_dict(adapter))
             self.model.save_pretrained(tmp, state_dict=dict(named), safe_serialization=True)
             self.model.config.dtype = str(self.compute_dtype).removeprefix("torch.")  # not the fp32 masters'
             self.model.config.save_pretrained(tmp)

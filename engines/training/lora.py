@@ -106,14 +106,29 @@ def merge_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
 
 def merged_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The effective weights of a wrapped ``model`` under HF names: each adapted layer's weight merged."""
-    layers, out = adapted_layers(model), []
-    for name, param in base_parameters(model):
-        layer = layers.get(name.removesuffix(".weight"))
-        if layer is not None:
-            param = merge_weight(param.detach(), layer.lora_A[ADAPTER].weight.detach(),
-                                 layer.lora_B[ADAPTER].weight.detach(), float(layer.scaling[ADAPTER]))
+    return merge_tensors(base_parameters(model), adapter_tensors(model), scalings(model))
+
+
+def merge_tensors(base: list[tuple[str, torch.Tensor]], adapter: list[tuple[str, torch.Tensor]],
+                  scaling: dict[str, float]) -> list[tuple[str, torch.Tensor]]:
+    """``base`` (``base_parameters``) with each adapted layer's weight merged with ``adapter``
+    (``adapter_tensors``) at its ``scaling``: the effective weights under HF names."""
+    lora, out = dict(adapter), []
+    for name, param in base:
+        layer = name.removesuffix(".weight")
+        if layer in scaling:
+            param = merge_weight(param.detach(), lora[f"{layer}.lora_A.weight"].detach(),
+                                 lora[f"{layer}.lora_B.weight"].detach(), scaling[layer])
         out.append((name, param))
     return out
+
+
+def peft_state_dict(adapter: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``adapter_tensors`` keyed as the peft wrapper's state dict (``base_model.model.<layer>.lora_A.default.weight``):
+    what ``PeftModel.save_pretrained(state_dict=...)`` saves as the adapter when the model's own tensors are
+    not whole (sharded)."""
+    return {f"base_model.model.{name.removesuffix('.weight')}.{ADAPTER}.weight": tensor.contiguous()
+            for name, tensor in adapter}
 
 
 def adapter_checksum(base_checksum: str, adapter: list[tuple[str, torch.Tensor]], scaling: dict[str, float]) -> str:
@@ -140,9 +155,12 @@ class AdapterUpdate:
         return sum(int(bucket.data.nbytes) for bucket in self.buckets)
 
 
-def export_adapter(model: torch.nn.Module, version: int, base_checksum: str, bucket_bytes: int) -> AdapterUpdate:
-    """The adapter of a wrapped ``model`` as an ``AdapterUpdate``."""
-    return AdapterUpdate(version, base_checksum, scalings(model), pack_buckets(adapter_tensors(model), bucket_bytes))
+def export_adapter(model: torch.nn.Module, version: int, base_checksum: str, bucket_bytes: int,
+                   adapter: list[tuple[str, torch.Tensor]] | None = None) -> AdapterUpdate:
+    """The adapter of a wrapped ``model`` as an ``AdapterUpdate``: its ``adapter_tensors``, or ``adapter`` when
+    given (a sharded model's, gathered whole)."""
+    adapter = adapter_tensors(model) if adapter is None else adapter
+    return AdapterUpdate(version, base_checksum, scalings(model), pack_buckets(adapter, bucket_bytes))
 
 
 class AdapterMerger:

@@ -234,7 +234,11 @@ class TorchTrainEngine:
         if self.peft is None:
             return None
         self._export_done()
-        return export_adapter(self.model, version, self._lora_base_checksum(), bucket_bytes)
+        return export_adapter(self.model, version, self._lora_base_checksum(), bucket_bytes, self._adapter_tensors())
+
+    def _adapter_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """A LoRA model's ``adapter_tensors`` (whole; a sharded engine gathers them)."""
+        return adapter_tensors(self.model)
 
     def _lora_base_checksum(self) -> str:
         if self._base_checksum is None:  # the base is frozen: hashed once
@@ -284,7 +288,7 @@ class TorchTrainEngine:
         (what a rollout engine holding both reports)."""
         self._export_done()
         if self.peft is not None:
-            return adapter_checksum(self._lora_base_checksum(), adapter_tensors(self.model), scalings(self.model))
+            return adapter_checksum(self._lora_base_checksum(), self._adapter_tensors(), scalings(self.model))
         return weights_checksum(self.model)
 
     def exported_checksum(self) -> str:
