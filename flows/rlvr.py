@@ -73,10 +73,10 @@ class RLEngines:
         roles = {"trainer": self.trainer, "reference": self.reference, "critic": self.critic}
         return [roles[role] for role in self.colocated if roles.get(role) is not None]
 
-    def memory_phase(self, phase: str) -> None:
-        """``generate``, ``train`` or ``sync`` (``tasks.sync.set_memory_phase``); nothing without colocation."""
-        if self.swapped:
-            set_memory_phase(self.rollouts, self.swapped, phase)
+    def memory_phase(self, phase: str) -> dict[str, float]:
+        """``generate``, ``train`` or ``sync`` (``tasks.sync.set_memory_phase``); returns the memory each side
+        holds then. Nothing (and no figures) without colocation."""
+        return set_memory_phase(self.rollouts, self.swapped, phase) if self.swapped else {}
 
     @property
     def reward_worker(self):
@@ -361,9 +361,9 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     """One RL step: generate → score (→ refill) → compute_advantages → train (critic, then policy) →
     sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics."""
     alg = cfg.algorithm
-    engines.memory_phase("generate")
+    memory = engines.memory_phase("generate")
     scored = sample_batch(cfg, engines, domains, state, step, reward_failures)
-    engines.memory_phase("train")
+    memory.update(engines.memory_phase("train"))
     metrics = scored.metrics
     with timed(metrics, "time/advantages"):
         batch_ref, advantage_metrics, moments = compute_advantages(
@@ -384,7 +384,8 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             objective = dataclasses.replace(objective, kl_coef=state.kl_coef)
         with timed(metrics, "time/train"):
             metrics.update(train(engines.trainer, batch_ref, objective, update_spec(cfg, step)))
-    engines.memory_phase("sync")  # the trainer offloads, the rollout engines wake: for the sync and evaluation
+    memory.update(engines.memory_phase("sync"))  # the trainer offloads, the rollout engines wake: sync, evaluation
+    metrics.update(memory)
     if policy_trains:
         with timed(metrics, "time/sync_weights"):
             sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import ray
 from prefect import task
 
+from engines.rank_group import RankGroup
 from tasks.common import TASK_DEFAULTS
 
 
@@ -69,12 +70,15 @@ def _expect_equal(version: int, expected: str, received: list) -> str:
 
 
 @task(name="set_memory_phase", retries=1, **TASK_DEFAULTS)
-def set_memory_phase(rollout_engines: list, train_engines: list, phase: str) -> None:
+def set_memory_phase(rollout_engines: list, train_engines: list, phase: str) -> dict[str, float]:
     """Colocated roles take turns on their GPUs (``placement.colocate``), in the order verl and ROLL settled
     on: after a train step the training engines offload and the rollout engines wake (phase ``sync``: the
     weights then go from the offloaded trainer's host copy), they generate (and evaluate) awake (phase
     ``generate``, a no-op after ``sync``), then sleep while the training engines reload (phase ``train``).
-    Memory is freed before it is taken. Each call is idempotent, so one retry is allowed."""
+    Memory is freed before it is taken. Each call is idempotent, so one retry is allowed.
+
+    Returns what each side holds once the phase is set (``engine_memory``, summed over the rollout engines and
+    over the training engines' processes): ``memory/<phase>/{rollout,train}_{device,host}_mb``."""
     if phase in ("generate", "sync"):
         ray.get([engine.offload.remote() for engine in train_engines])
         ray.get([engine.wake.remote() for engine in rollout_engines])
@@ -83,3 +87,24 @@ def set_memory_phase(rollout_engines: list, train_engines: list, phase: str) -> 
         ray.get([engine.reload.remote() for engine in train_engines])
     else:
         raise ValueError(f"unknown memory phase {phase!r}: generate, train or sync")
+    figures = {}
+    for side, engines in (("rollout", rollout_engines), ("train", train_engines)):
+        processes = [rank for engine in engines
+                     for rank in (engine.ranks if isinstance(engine, RankGroup) else [engine])]  # every rank
+        held = ray.get([process.__ray_call__.remote(engine_memory) for process in processes])
+        for kind in ("device", "host"):
+            figures[f"memory/{phase}/{side}_{kind}_mb"] = sum(h[kind] for h in held) / 2**20
+    return figures
+
+
+def engine_memory(_engine=None) -> dict[str, int]:
+    """Bytes this process holds: ``device``, allocated by torch on its CUDA device (0 without one), and
+    ``host``, its resident set. Called inside an engine's actor (``__ray_call__``)."""
+    import os
+
+    import torch
+
+    device = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    with open("/proc/self/statm") as statm:
+        host = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"device": int(device), "host": host}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from tasks.sync import set_memory_phase
+from tasks.sync import engine_memory, set_memory_phase
 
 pytestmark = pytest.mark.ray
 
@@ -22,7 +22,9 @@ class Recorder:
 
         class Method:
             @staticmethod
-            def remote():
+            def remote(*args):
+                if method == "__ray_call__":  # a function run inside the engine's process: here, this one
+                    return ray.put(args[0](None))
                 recorder.log.append(f"{recorder.name}.{method}")
                 return ray.put(None)
 
@@ -32,10 +34,18 @@ class Recorder:
 def test_each_phase_frees_memory_before_taking_it(ray_cluster):
     log: list[str] = []
     rollouts, trainers = [Recorder("rollout", log)], [Recorder("trainer", log), Recorder("critic", log)]
+    figures = {}
     for phase in ("sync", "generate", "train"):  # the end of one step, the next step's generation, its training
-        set_memory_phase.fn(rollouts, trainers, phase)
+        figures.update(set_memory_phase.fn(rollouts, trainers, phase))
     assert log == ["trainer.offload", "critic.offload", "rollout.wake",  # sync: from the offloaded trainer
                    "trainer.offload", "critic.offload", "rollout.wake",  # generate: already so (idempotent calls)
                    "rollout.sleep", "trainer.reload", "critic.reload"]
+    # what each side holds after each phase: here every "engine" is this process (no CUDA: 0 on a device)
+    assert sorted(figures) == sorted(f"memory/{phase}/{side}_{kind}_mb" for phase in ("sync", "generate", "train")
+                                     for side in ("rollout", "train") for kind in ("device", "host"))
+    host = engine_memory()["host"] / 2**20
+    assert figures["memory/train/rollout_device_mb"] == 0
+    assert figures["memory/train/rollout_host_mb"] == pytest.approx(host, rel=0.2)  # one process
+    assert figures["memory/train/train_host_mb"] == pytest.approx(2 * host, rel=0.2)  # two "engines"
     with pytest.raises(ValueError, match="unknown memory phase 'eval'"):
         set_memory_phase.fn(rollouts, trainers, "eval")
