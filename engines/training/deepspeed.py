@@ -18,6 +18,13 @@ The ZeRO config comes from typed arguments (``zero_config``). On a machine witho
 imports DeepSpeed with ``DS_ACCELERATOR=cpu``, its ranks talk over gloo, and no compiled op is used (a
 torch AdamW is the client optimizer). Checkpoints are DeepSpeed's own (each rank writes its shard),
 staged locally and copied to a local folder or ``s3://``, plus each rank's RNG state.
+
+LoRA (``lora``): the torch engine wraps the model with peft before ``deepspeed.initialize``, so AdamW (and
+ZeRO's partitioned optimizer state) holds only the adapter; under ZeRO-3 the frozen base is partitioned
+too. The torch engine's LoRA code (base sync under HF names, ``export_adapter``, the checksum, the merged
+and adapter export) runs here on tensors gathered whole on rank 0 (``_synced_parameters``,
+``_adapter_tensors``); the reference log-probs disable the adapter. Checkpoints hold the adapter and its
+optimizer state, not the base (``_Calls``' ``saved`` keys, DeepSpeed's ``exclude_frozen_parameters``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 from engines.checkpoint_store import filesystem, is_remote, join
 from engines.models import resolve_device
 from engines.training.distributed import gather_objects, init_ranks
+from engines.training.lora import AdapterUpdate, merge_tensors, peft_state_dict, scalings
 from engines.training.torch import OptimSpec, TorchTrainEngine, _fused_adamw, _read_torch, _torch_bytes, adamw
 from engines.types import Rollouts, TrainBatch
 from engines.weight_sync import Bucket, SharedWeights, pack_buckets, tensors_checksum
@@ -89,11 +97,22 @@ def zero_config(*, zero_stage: int, micro_batch_size: int, world_size: int, grad
 class _Calls(torch.nn.Module):
     """The model as DeepSpeed's engine sees it: ``engine(fn)`` runs ``fn()`` inside the engine's forward,
     so its hooks (ZeRO-3's gathers, the backward bookkeeping) see every pass, while ``fn`` calls the model
-    as it needs (the packed path runs the decoder and the output head separately)."""
+    as it needs (the packed path runs the decoder and the output head separately).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    ``saved``: the only keys its ``state_dict`` (DeepSpeed's checkpointed module state) holds (None: all);
+    a LoRA model's adapter, without the frozen base and its tied aliases."""
+
+    def __init__(self, model: torch.nn.Module, saved: set[str] | None = None) -> None:
         super().__init__()
         self.model = model
+        self.saved = saved
+        if saved is not None:
+            self.register_state_dict_post_hook(_Calls._only_saved)
+
+    @staticmethod
+    def _only_saved(module: "_Calls", state: dict, prefix: str, local_metadata: dict) -> None:
+        for key in [key for key in state if key.removeprefix(prefix) not in module.saved]:
+            del state[key]
 
     def forward(self, fn):
         return fn()
@@ -104,7 +123,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     ``zero_stage``. ``rendezvous``: ``host:port`` of rank 0's TCP store (None: a group of one).
 
     Every method runs on all ranks at once (``engines.rank_group``); results come from rank 0 (other
-    ranks return the same metrics, and None or empty lists where only rank 0 has the weights)."""
+    ranks return the same metrics, and None or empty lists where only rank 0 has the weights). ``lora``: the
+    torch engine's, its adapter trained and checkpointed alone (see the module docstring)."""
 
     def __init__(self, model_path: str, optim: OptimSpec, *, dtype: str = "float32", seed: int = 0,
                  torch_threads: int = 0, micro_batch_size: int = 8, temperature: float = 1.0,
@@ -113,8 +133,6 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
                  device: str | None = None, rank: int = 0, world_size: int = 1, rendezvous: str | None = None,
                  zero_stage: int = 3, offload_optimizer: bool = False, offload_params: bool = False,
                  param_persistence_threshold: int | None = None, lora: dict | None = None) -> None:
-        if lora is not None:
-            raise ValueError("train.engine=deepspeed does not take model.lora yet; use train.engine=torch for LoRA")
         resolved = resolve_device(device)
         self.config = zero_config(zero_stage=zero_stage, micro_batch_size=micro_batch_size, world_size=world_size,
                                   grad_clip=optim.grad_clip, dtype=dtype, offload_optimizer=offload_optimizer,
@@ -132,17 +150,19 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         super().__init__(model_path, optim, dtype=dtype, seed=seed, torch_threads=torch_threads,
                          micro_batch_size=micro_batch_size, temperature=temperature, head=head, packing=packing,
                          share_prompts=share_prompts, attn_implementation=attn_implementation,
-                         gradient_checkpointing=gradient_checkpointing, device=device)
+                         gradient_checkpointing=gradient_checkpointing, device=device, lora=lora)
 
     def _build_optimizer(self, optim: OptimSpec) -> None:
-        """The DeepSpeed engine around the model, a torch AdamW and its schedule: DeepSpeed keeps the fp32
-        master weights of a bf16 model itself (no ``MasterWeights``)."""
+        """The DeepSpeed engine around the model, a torch AdamW over its trainable parameters (a LoRA model's
+        adapter) and its schedule: DeepSpeed keeps the fp32 master weights of a bf16 model itself (no
+        ``MasterWeights``)."""
         import deepspeed
 
         self.master = None
-        optimizer, scheduler = adamw(list(self.model.parameters()), optim, fused=_fused_adamw(self.model))
+        optimizer, scheduler = adamw(self._optimized_parameters(), optim, fused=_fused_adamw(self.model))
+        saved = {f"model.{name}" for name, _ in self._trained_parameters()} if self.peft is not None else None
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=_Calls(self.model), optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
+            model=_Calls(self.model, saved), optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
             dist_init_required=False)
 
     # -- forward and the update step ---------------------------------------------------------------------
@@ -172,14 +192,15 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
                     backward=self._backward, step=self._step)
 
     # -- weights -------------------------------------------------------------------------------------
-    def _full_chunks(self, chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The model's ``(name, parameter)`` pairs, whole, in chunks of at most ``chunk_bytes`` (or one
+    def _full_chunks(self, named: list[tuple[str, torch.Tensor]],
+                     chunk_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``named``'s ``(name, parameter)`` pairs, whole, in chunks of at most ``chunk_bytes`` (or one
         parameter). Every rank iterates in lockstep: under ZeRO-3 each chunk is gathered from the ranks'
         shards and released when the next is asked for, so use its tensors before that."""
         import deepspeed
 
         chunk, size = [], 0
-        for name, param in self.model.named_parameters():
+        for name, param in named:
             nbytes = getattr(param, "ds_numel", param.numel()) * param.element_size()
             if chunk and size + nbytes > chunk_bytes:
                 with deepspeed.zero.GatheredParameters([p for _, p in chunk]):
@@ -191,21 +212,35 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             with deepspeed.zero.GatheredParameters([p for _, p in chunk]):
                 yield chunk
 
-    def _full_state(self) -> dict[str, torch.Tensor] | None:
-        """Every parameter, whole, on rank 0 (copies under ZeRO-3); None on the other ranks."""
-        state = {}
-        for chunk in self._full_chunks(GATHER_BYTES):
+    def _gathered(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``named``'s parameters whole on rank 0 (copies under ZeRO-3); ``[]`` on the other ranks."""
+        whole = []
+        for chunk in self._full_chunks(named, GATHER_BYTES):
             if self.rank == 0:
-                state.update((name, p.detach().clone() if self.zero_stage == 3 else p.detach()) for name, p in chunk)
-        return state if self.rank == 0 else None
+                whole += [(name, p.detach().clone() if self.zero_stage == 3 else p.detach()) for name, p in chunk]
+        return whole
+
+    def _synced_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """What a full sync sends (the torch engine's: every parameter, tied weights once, or a LoRA model's
+        base under HF names), whole on rank 0; ``[]`` on the others, which gather with it."""
+        return self._gathered(super()._synced_parameters())
+
+    def _adapter_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """A LoRA model's adapter, whole on rank 0; ``[]`` on the others, which gather with it."""
+        return self._gathered(super()._adapter_tensors())
 
     def export_weights(self, bucket_bytes: int = 64 << 20) -> list[Bucket]:
-        """The whole model in buckets of at most ``bucket_bytes`` on rank 0; ``[]`` on the others."""
+        """What a full sync sends in buckets of at most ``bucket_bytes`` on rank 0; ``[]`` on the others."""
         buckets = []
-        for chunk in self._full_chunks(bucket_bytes):
+        for chunk in self._full_chunks(super()._synced_parameters(), bucket_bytes):
             if self.rank == 0:
                 buckets += pack_buckets(chunk, bucket_bytes)
         return buckets
+
+    def export_adapter(self, version: int, bucket_bytes: int = 64 << 20) -> AdapterUpdate | None:
+        """The torch engine's ``export_adapter`` of the gathered adapter on rank 0; None on the others."""
+        update = super().export_adapter(version, bucket_bytes)
+        return update if self.rank == 0 else None
 
     def export_shared(self, version: int) -> SharedWeights | None:
         """Rank 0 copies the weights into shared memory under ZeRO-1/2, where it holds them whole; None
@@ -217,16 +252,16 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return super().export_cuda_ipc(version) if self.rank == 0 and self.zero_stage < 3 else None
 
     def weights_checksum(self) -> str | None:
-        """``weights_checksum`` of the whole model on rank 0 (equal to the torch engine's for the same
-        weights); None on the other ranks."""
+        """The torch engine's ``weights_checksum`` of the whole model, or of a LoRA model's base (hashed once)
+        and adapter, on rank 0 (equal to the torch engine's for the same weights); None on the other ranks."""
         self._export_done()
-        state = self._full_state()
-        return None if state is None else tensors_checksum(state.items())
+        checksum = super().weights_checksum() if self.peft is not None else tensors_checksum(self._synced_parameters())
+        return checksum if self.rank == 0 else None
 
     # -- state ---------------------------------------------------------------------------------------
     def save(self, uri: str) -> list[str]:
-        """DeepSpeed's checkpoint (each rank writes its shard of the model and optimizer state; the LR
-        schedule is in rank 0's) under ``uri/deepspeed``, and each rank's RNG state, staged in a local
+        """DeepSpeed's checkpoint (each rank writes its shard of the trained parameters and their optimizer
+        state, a LoRA model's adapter only; the LR schedule is in rank 0's) under ``uri/deepspeed``, and each rank's RNG state, staged in a local
         folder and copied to ``uri`` (local or s3://). Returns every rank's files (on every rank)."""
         self._export_done()
         if self.rank == 0:  # a folder saved before, maybe by more ranks: nothing of it may stay
@@ -235,7 +270,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
                 fs.rm(path, recursive=True)
         torch.distributed.barrier()
         with tempfile.TemporaryDirectory() as tmp:
-            self.engine.save_checkpoint(join(tmp, "deepspeed"), tag=CHECKPOINT_TAG, save_latest=False)
+            self.engine.save_checkpoint(join(tmp, "deepspeed"), tag=CHECKPOINT_TAG, save_latest=False,
+                                        exclude_frozen_parameters=self.peft is not None)  # LoRA: no base
             rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
             Path(tmp, "rng").mkdir()
             Path(tmp, "rng", f"rank_{self.rank}.pt").write_bytes(_torch_bytes(rng))
@@ -246,18 +282,19 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         """Restore what ``save`` wrote (model, optimizer, LR schedule, this rank's RNG); returns the loaded
         weights' checksum (rank 0)."""
         self._export_done()
+        strict = self.peft is None  # a LoRA checkpoint holds no base
         with _local_folder(uri) as folder, tempfile.TemporaryDirectory() as tmp:
             saved = join(folder, "deepspeed", CHECKPOINT_TAG)
             ranks = len(list(Path(saved).glob("*zero_pp_rank_*_optim_states.pt")))
             if ranks == 0:
                 raise FileNotFoundError(f"no deepspeed checkpoint under {uri}/deepspeed/{CHECKPOINT_TAG}")
             if ranks == self.world_size:
-                self.engine.load_checkpoint(join(folder, "deepspeed"), tag=CHECKPOINT_TAG)
+                self.engine.load_checkpoint(join(folder, "deepspeed"), tag=CHECKPOINT_TAG, load_module_strict=strict)
             else:  # shards of another world size: through DeepSpeed's universal (whole-tensor) checkpoint
                 _to_universal(saved, join(tmp, CHECKPOINT_TAG))
                 self.engine._config.load_universal_checkpoint = True
                 try:
-                    self.engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG)
+                    self.engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG, load_module_strict=strict)
                 finally:
                     self.engine._config.load_universal_checkpoint = False
             own = Path(folder, "rng", f"rank_{self.rank}.pt")  # a rank the saving run had not: rank 0's
@@ -268,14 +305,20 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
         return self.weights_checksum()
 
     def save_pretrained(self, uri: str) -> list[str]:
-        """The whole model in HF format at ``uri`` from rank 0 (the others gather with it, return [])."""
+        """The whole model in HF format at ``uri`` from rank 0 (the others gather with it, return []). A LoRA
+        model is saved as the torch engine saves it: merged, and its adapter in peft's format under ``adapter/``."""
         from engines.checkpoint_store import put_folder
 
-        state = self._full_state()
-        if state is None:
+        self._export_done()
+        named = self._synced_parameters()
+        adapter = self._adapter_tensors() if self.peft is not None else None
+        if self.rank != 0:
             return []
         with tempfile.TemporaryDirectory() as tmp:
-            self.model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if adapter is not None:
+                named = merge_tensors(named, adapter, scalings(self.model))
+                self.peft.save_pretrained(f"{tmp}/adapter", safe_serialization=True, state_dict=peft_state_dict(adapter))
+            self.model.save_pretrained(tmp, state_dict=dict(named), safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             return put_folder(tmp, uri)
 
