@@ -73,6 +73,17 @@ def s3_server():
         yield client, env
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    """Conformance cases of a sharded trainer (``ranks``) syncing into the vLLM engine (``remote``) send the
+    buckets the torch trainer does: that pairing runs with the slow set (by default every train engine is
+    checked against the HF engine, and the torch trainer against vLLM)."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {}).values()
+        if any(getattr(p, "ranks", 0) for p in params) and any(getattr(p, "remote", False) for p in params):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_finish(session):
     """Build the vLLM engine's venv before the first test that needs it (minutes the first time, then
     cached under ~/.cache/rollflow/envs), outside any test's timeout, with a progress line per step."""

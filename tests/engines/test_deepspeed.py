@@ -65,7 +65,7 @@ def _assert_close(buckets, expected: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_stage_trains_syncs_and_resumes_as_the_torch_engine(stage, tiny_model_dir, ray_cluster, policy_batch,
                                                                   reference, tmp_path, request):
     from engines.actors import stop_engine

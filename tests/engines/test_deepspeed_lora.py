@@ -19,7 +19,7 @@ from engines.types import SamplingParams, build_train_batch
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_stage_trains_the_torch_engines_adapter_syncs_and_resumes(stage, ray_cluster, tiny_model_dir, tmp_path,
                                                                        monkeypatch):
     """5 rows in micro-batches of 2 (rank 0 computes two, rank 1 one and a zero-weight one): 3 steps leave the
