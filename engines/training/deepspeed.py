@@ -42,7 +42,7 @@ import torch
 from engines.checkpoint_store import filesystem, is_remote, join
 from engines.models import resolve_device
 from engines.training.distributed import gather_objects, init_ranks
-from engines.training.lora import AdapterUpdate, merge_tensors, peft_state_dict, scalings
+from engines.training.lora import AdapterUpdate
 from engines.training.torch import OptimSpec, TorchTrainEngine, _fused_adamw, _read_torch, _torch_bytes, adamw
 from engines.types import Rollouts, TrainBatch
 from engines.weight_sync import Bucket, SharedWeights, pack_buckets, tensors_checksum
@@ -307,20 +307,7 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
     def save_pretrained(self, uri: str) -> list[str]:
         """The whole model in HF format at ``uri`` from rank 0 (the others gather with it, return []). A LoRA
         model is saved as the torch engine saves it: merged, and its adapter in peft's format under ``adapter/``."""
-        from engines.checkpoint_store import put_folder
-
-        self._export_done()
-        named = self._synced_parameters()
-        adapter = self._adapter_tensors() if self.peft is not None else None
-        if self.rank != 0:
-            return []
-        with tempfile.TemporaryDirectory() as tmp:
-            if adapter is not None:
-                named = merge_tensors(named, adapter, scalings(self.model))
-                self.peft.save_pretrained(f"{tmp}/adapter", safe_serialization=True, state_dict=peft_state_dict(adapter))
-            self.model.save_pretrained(tmp, state_dict=dict(named), safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            return put_folder(tmp, uri)
+        return self._save_gathered_pretrained(uri, self.rank)
 
     # -- memory (engines.protocols) --------------------------------------------------------------------
     def offload(self) -> None:

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from engines.checkpoint_store import is_remote, write_bytes
 from engines.models import resolve_device
 from engines.training.distributed import gather_objects, init_ranks
-from engines.training.lora import AdapterUpdate, merge_tensors, peft_state_dict, scalings
+from engines.training.lora import AdapterUpdate
 from engines.training.torch import OptimSpec, TorchTrainEngine, _read_torch, _torch_bytes
 from engines.types import Rollouts, TrainBatch
 from engines.weight_sync import Bucket, SharedWeights, pack_buckets, tensors_checksum
@@ -254,27 +254,10 @@ class FSDP2TrainEngine(TorchTrainEngine):
         return {"model": model_state, "optim": optim_state}
 
     def save_pretrained(self, uri: str) -> list[str]:
-        """The whole model in HF format at ``uri`` in the compute dtype, written by rank 0 (the other ranks
-        gather with it and return []). A LoRA model is saved as the torch engine saves it: merged, and its
-        adapter in peft's format under ``adapter/``."""
-        import tempfile
-
-        from engines.checkpoint_store import put_folder
-
-        self._export_done()
-        named = self._synced_parameters()
-        adapter = self._adapter_tensors() if self.peft is not None else None
-        if self.rank != 0:
-            return []
-        with tempfile.TemporaryDirectory() as tmp:
-            if adapter is not None:
-                named = merge_tensors(named, adapter, scalings(self.model))
-                self.peft.save_pretrained(f"{tmp}/adapter", safe_serialization=True, state_dict=peft_state_dict(adapter))
-            self.model.save_pretrained(tmp, state_dict=dict(named), safe_serialization=True)
-            self.model.config.dtype = str(self.compute_dtype).removeprefix("torch.")  # not the fp32 masters'
-            self.model.config.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            return put_folder(tmp, uri)
+        """The whole model in HF format at ``uri`` in the compute dtype (the config says so, not the fp32 shards'),
+        written by rank 0; the other ranks gather with it and return []. A LoRA model is saved as the torch
+        engine saves it: merged, and its adapter in peft's format under ``adapter/``."""
+        return self._save_gathered_pretrained(uri, self.rank, self.compute_dtype)
 
     # -- memory --------------------------------------------------------------------------------------
     def _weights_module(self) -> torch.nn.Module:

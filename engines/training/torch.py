@@ -373,6 +373,31 @@ class TorchTrainEngine:
             self.tokenizer.save_pretrained(tmp)
             return put_folder(tmp, uri)
 
+    def _save_gathered_pretrained(self, uri: str, rank: int, dtype: torch.dtype | None = None) -> list[str]:
+        """``save_pretrained`` of a sharded engine: every rank gathers the weights with the others
+        (``_synced_parameters``, ``_adapter_tensors``) and rank 0 writes them as ``save_pretrained`` does (a LoRA
+        model merged, its adapter under ``adapter/``; ``dtype`` in the config when given), the others return []."""
+        import tempfile
+
+        from engines.checkpoint_store import put_folder
+        from engines.training.lora import merge_tensors, peft_state_dict, scalings
+
+        self._export_done()
+        named = self._synced_parameters()
+        adapter = self._adapter_tensors() if self.peft is not None else None
+        if rank != 0:
+            return []
+        with tempfile.TemporaryDirectory() as tmp:
+            if adapter is not None:
+                named = merge_tensors(named, adapter, scalings(self.model))
+                self.peft.save_pretrained(f"{tmp}/adapter", safe_serialization=True, state_dict=peft_state_dict(adapter))
+            self.model.save_pretrained(tmp, state_dict=dict(named), safe_serialization=True)
+            if dtype is not None:
+                self.model.config.dtype = str(dtype).removeprefix("torch.")
+                self.model.config.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            return put_folder(tmp, uri)
+
     # -- memory (engines.protocols) --------------------------------------------------------------------
     _offloaded: tuple[torch.device, list] | None = None  # offload(): the weights' device, the optimizer state moved
 

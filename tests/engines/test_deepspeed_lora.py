@@ -7,14 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_fsdp2_lora import LORA, OPTIM, PROMPTS, _adapter, _Local, _value
+from test_fsdp2_lora import LORA, OPTIM, _adapter, sync_and_score
 
-import tasks.sync
 from engines.algorithms.objective import SFTObjective
 from engines.data.sft import sft_batch
-from engines.inference.hf import HFInferenceEngine
-from engines.training.torch import ReferenceEngine, TorchTrainEngine
-from engines.types import SamplingParams, build_train_batch
+from engines.training.torch import TorchTrainEngine
 
 pytestmark = pytest.mark.ray
 
@@ -50,19 +47,8 @@ def test_zero_stage_trains_the_torch_engines_adapter_syncs_and_resumes(stage, ra
             assert tensor.abs().max() > 1e-3, name  # it trained (B starts at 0)
 
     # the sync task: the base once, then the adapter; the rollout engine holds what the trainer holds
-    real_get = ray.get  # the local rollout engine returns values, the group refs
-    monkeypatch.setattr(ray, "get", lambda r: [_value(real_get, x) for x in r] if isinstance(r, list) else _value(real_get, r))
-    rollout = _Local(HFInferenceEngine(tiny_model_dir))
-    checksum = tasks.sync.sync_weights.fn(group, [rollout], 1, 1, adapter=True)
+    checksum, rollout = sync_and_score(group, tiny_model_dir, monkeypatch)
     assert checksum == ray.get(group.weights_checksum.remote()) == rollout.engine.weights_checksum()
-    out = rollout.engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=4, seed=1))
-    built = build_train_batch(out, 0)
-    trainer_logprobs = ray.get(group.logprobs.remote(built))
-    assert built.loss_mask.sum() > 10
-    assert ((trainer_logprobs - built.tensors["rollout_logprobs"]) * built.loss_mask).abs().max() < 1e-4
-    base_logprobs = ReferenceEngine(tiny_model_dir).logprobs(built)
-    assert (ray.get(group.reference_logprobs.remote(built)) - base_logprobs).abs().max() < 1e-5
-    assert (trainer_logprobs - base_logprobs).abs().max() > 1e-3  # the adapter is on again after it
 
     # checkpoint: the adapter (module state: its 16 tensors, no base) and its optimizer state (the ranks' fp32
     # partitions of weights, exp_avg and exp_avg_sq: 3 × the adapter's 4,352 elements, 2 blocks of q: A [4, 64] +

@@ -34,6 +34,28 @@ def _value(get, ref):
     return get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
 
+def sync_and_score(group, model_dir: str, monkeypatch) -> tuple[str, "_Local"]:
+    """The sync task from a LoRA ``group`` into a local HF rollout engine (the base once, then the adapter), then
+    checks that the engine samples tokens the trainer scores alike (within 1e-4), that the trainer's reference
+    log-probs are the base model's and that its adapter is on again after them; returns the sync's checksum
+    and the rollout engine."""
+    import ray
+
+    real_get = ray.get  # the local rollout engine returns values, the group refs
+    monkeypatch.setattr(ray, "get", lambda r: [_value(real_get, x) for x in r] if isinstance(r, list) else _value(real_get, r))
+    rollout = _Local(HFInferenceEngine(model_dir))
+    checksum = tasks.sync.sync_weights.fn(group, [rollout], 1, 1, adapter=True)
+    out = rollout.engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=4, seed=1))
+    built = build_train_batch(out, 0)
+    trainer_logprobs = ray.get(group.logprobs.remote(built))
+    assert built.loss_mask.sum() > 10
+    assert ((trainer_logprobs - built.tensors["rollout_logprobs"]) * built.loss_mask).abs().max() < 1e-4
+    base_logprobs = ReferenceEngine(model_dir).logprobs(built)
+    assert (ray.get(group.reference_logprobs.remote(built)) - base_logprobs).abs().max() < 1e-5
+    assert (trainer_logprobs - base_logprobs).abs().max() > 1e-3  # the adapter is on again after it
+    return checksum, rollout
+
+
 class _Local:
     """A local engine behind ``tasks.sync``'s ``engine.method.remote(...)``, taking the group's refs as Ray would."""
 
@@ -77,21 +99,10 @@ def test_two_ranks_train_the_torch_engines_adapter_and_sync_it(ray_cluster, tiny
         checkpoint = load_file(f"{tiny_model_dir}/model.safetensors")
         assert all(torch.equal(t, checkpoint[name].to(t.dtype)) for name, t in base.items())  # HF names, untouched
         # the sync task: the base once, then the adapter; the rollout engine holds what the trainer holds
-        real_get = ray.get  # the local rollout engine returns values, the group refs
-        monkeypatch.setattr(ray, "get", lambda r: [_value(real_get, x) for x in r] if isinstance(r, list) else _value(real_get, r))
-        rollout = _Local(HFInferenceEngine(tiny_model_dir))
-        checksum = tasks.sync.sync_weights.fn(group, [rollout], 1, 1, adapter=True)
+        checksum, rollout = sync_and_score(group, tiny_model_dir, monkeypatch)
         # the torch engine's checksum of the same base (hashed once) and of the 2-rank adapter (not bit-equal to its own)
         assert checksum == adapter_checksum(reference._lora_base_checksum(), list(adapter.items()), scalings(reference.model))
         assert rollout.engine.weights_checksum() == checksum != reference.weights_checksum()
-        out = rollout.engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=4, seed=1))
-        built = build_train_batch(out, 0)
-        trainer_logprobs = ray.get(group.logprobs.remote(built))
-        assert built.loss_mask.sum() > 10
-        assert ((trainer_logprobs - built.tensors["rollout_logprobs"]) * built.loss_mask).abs().max() < 1e-4
-        base_logprobs = ReferenceEngine(tiny_model_dir).logprobs(built)
-        assert (ray.get(group.reference_logprobs.remote(built)) - base_logprobs).abs().max() < 1e-5
-        assert (trainer_logprobs - base_logprobs).abs().max() > 1e-3  # the adapter is on again after it
         # checkpoint: the adapter and its Adam moments, not the base; the next step resumes bit for bit
         import torch.distributed.checkpoint as dcp
 
