@@ -13,7 +13,7 @@ the KL reference) all work through it. From it:
   engine sends (``Linear.base_layer.weight`` → ``Linear.weight``);
 * ``adapter_tensors``: each adapted layer's ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight``, named as
   in peft's saved adapters (without the ``base_model.model.`` prefix), with ``scalings`` per layer;
-* ``merged_parameters``: the effective weights under HF names (``merge_weight``): the merged export.
+* ``merge_tensors``: the base with the adapter merged, under HF names (``merge_weight``): the merged export.
 
 A rollout engine that holds the base takes an ``AdapterUpdate`` (``AdapterMerger``): it keeps a copy of
 each adapted layer's base weight and writes ``W_base + scaling · B @ A`` into the layer, so generation runs
@@ -102,11 +102,6 @@ def merge_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
     A: [r, in]; B: [out, r] (on any device)."""
     lora_a, lora_b = (t.to(base.device, torch.float32) for t in (lora_a, lora_b))
     return (base.float() + (lora_b @ lora_a) * scaling).to(base.dtype)  # [out, in]
-
-
-def merged_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The effective weights of a wrapped ``model`` under HF names: each adapted layer's weight merged."""
-    return merge_tensors(base_parameters(model), adapter_tensors(model), scalings(model))
 
 
 def merge_tensors(base: list[tuple[str, torch.Tensor]], adapter: list[tuple[str, torch.Tensor]],

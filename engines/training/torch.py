@@ -26,7 +26,7 @@ import torch
 from engines.checkpoint_store import write_bytes
 from engines.models import load_model, load_tokenizer, load_value_model, resolve_device, set_torch_threads
 from engines.training.lora import (AdapterUpdate, adapter_checksum, adapter_tensors, base_parameters, export_adapter,
-                                   merged_parameters, scalings, wrap_lora)
+                                   merge_tensors, peft_state_dict, scalings, wrap_lora)
 from engines.training.logprobs import batched_logprobs, batched_values, packed_token_logprobs, token_logprobs, token_values
 from engines.training.precision import MasterWeights, needs_master_weights
 from engines.training.updates import UpdateSpec, run_updates
@@ -356,31 +356,17 @@ class TorchTrainEngine:
     def save_pretrained(self, uri: str) -> list[str]:
         """The model in HF format (``model.safetensors`` + config + tokenizer) at ``uri`` (local or s3://),
         replacing what was there; returns the files written. A LoRA model is saved merged (``W_base +
-        scaling · B @ A``, ``engines.training.lora.merged_parameters``) and as its adapter in peft's format
+        scaling · B @ A``, ``engines.training.lora.merge_tensors``) and as its adapter in peft's format
         under ``adapter/`` (``adapter_model.safetensors`` + ``adapter_config.json``)."""
-        import tempfile
-
-        from engines.checkpoint_store import put_folder
-
-        with tempfile.TemporaryDirectory() as tmp:
-            if self.peft is None:
-                self.model.save_pretrained(tmp, safe_serialization=True)
-            else:
-                self._export_done()
-                merged = {name: p.detach().contiguous() for name, p in merged_parameters(self.model)}
-                self.model.save_pretrained(tmp, state_dict=merged, safe_serialization=True)
-                self.peft.save_pretrained(f"{tmp}/adapter", safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            return put_folder(tmp, uri)
+        return self._save_gathered_pretrained(uri, rank=0)
 
     def _save_gathered_pretrained(self, uri: str, rank: int, dtype: torch.dtype | None = None) -> list[str]:
-        """``save_pretrained`` of a sharded engine: every rank gathers the weights with the others
-        (``_synced_parameters``, ``_adapter_tensors``) and rank 0 writes them as ``save_pretrained`` does (a LoRA
-        model merged, its adapter under ``adapter/``; ``dtype`` in the config when given), the others return []."""
+        """``save_pretrained`` of this engine or of a sharded one: every rank gathers the weights with the others
+        (``_synced_parameters``, ``_adapter_tensors``) and rank 0 writes them (a LoRA model merged, its adapter
+        under ``adapter/``; ``dtype`` in the config when given), the others return []."""
         import tempfile
 
         from engines.checkpoint_store import put_folder
-        from engines.training.lora import merge_tensors, peft_state_dict, scalings
 
         self._export_done()
         named = self._synced_parameters()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_fsdp2_lora import LORA, OPTIM, _adapter, sync_and_score
+from test_fsdp2_lora import LORA, OPTIM, sync_and_score, train_alike
 
 from engines.algorithms.objective import SFTObjective
 from engines.data.sft import sft_batch
@@ -35,16 +35,7 @@ def test_zero_stage_trains_the_torch_engines_adapter_syncs_and_resumes(stage, ra
                 model_path=tiny_model_dir, optim=OPTIM, micro_batch_size=2, torch_threads=1, zero_stage=stage,
                 param_persistence_threshold=0, lora=LORA)
     group = start_rank_group("train/deepspeed", **args)
-    for _ in range(3):
-        expected = reference.train_step(batch, SFTObjective())
-        got = ray.get(group.train_step.remote(batch, SFTObjective()))
-        assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
-    adapter, expected_adapter = _adapter(ray.get(group.export_adapter.remote(1))), dict(reference._adapter_tensors())
-    assert set(adapter) == set(expected_adapter) and len(adapter) == 2 * 4 * 2  # A, B of 4 layers in 2 blocks
-    for name, tensor in expected_adapter.items():
-        assert (adapter[name] - tensor).abs().max() < 1e-5, name
-        if ".lora_B." in name:
-            assert tensor.abs().max() > 1e-3, name  # it trained (B starts at 0)
+    train_alike(group, reference, batch)
 
     # the sync task: the base once, then the adapter; the rollout engine holds what the trainer holds
     checksum, rollout = sync_and_score(group, tiny_model_dir, monkeypatch)

@@ -34,6 +34,24 @@ def _value(get, ref):
     return get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
 
+def train_alike(group, reference, batch) -> dict[str, torch.Tensor]:
+    """3 SFT steps of a LoRA ``group`` and of the single-process ``reference`` on ``batch``: equal grad norms
+    (rel 1e-5) and adapters (within 1e-5; every B trained off 0). Returns the group's adapter."""
+    import ray
+
+    for _ in range(3):
+        expected = reference.train_step(batch, SFTObjective())
+        got = ray.get(group.train_step.remote(batch, SFTObjective()))
+        assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+    adapter, expected_adapter = _adapter(ray.get(group.export_adapter.remote(1))), dict(reference._adapter_tensors())
+    assert set(adapter) == set(expected_adapter) and len(adapter) == 2 * 4 * 2  # A, B of 4 layers in 2 blocks
+    for name, tensor in expected_adapter.items():
+        assert (adapter[name] - tensor).abs().max() < 1e-5, name
+        if ".lora_B." in name:
+            assert tensor.abs().max() > 1e-3, name  # it trained (B starts at 0)
+    return adapter
+
+
 def sync_and_score(group, model_dir: str, monkeypatch) -> tuple[str, "_Local"]:
     """The sync task from a LoRA ``group`` into a local HF rollout engine (the base once, then the adapter), then
     checks that the engine samples tokens the trainer scores alike (within 1e-4), that the trainer's reference
@@ -85,16 +103,7 @@ def test_two_ranks_train_the_torch_engines_adapter_and_sync_it(ray_cluster, tiny
     group = start_rank_group("train/fsdp2", run_name="t-fsdp2-lora", role="trainer", world_size=2, reuse=False,
                              model_path=tiny_model_dir, optim=OPTIM, micro_batch_size=2, torch_threads=1, lora=LORA)
     try:
-        for _ in range(3):
-            expected = reference.train_step(batch, SFTObjective())
-            got = ray.get(group.train_step.remote(batch, SFTObjective()))
-            assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
-        adapter, expected_adapter = _adapter(ray.get(group.export_adapter.remote(1))), dict(reference._adapter_tensors())
-        assert set(adapter) == set(expected_adapter) and len(adapter) == 2 * 4 * 2  # A, B of 4 layers in 2 blocks
-        for name, tensor in expected_adapter.items():
-            assert (adapter[name] - tensor).abs().max() < 1e-5, name
-            if ".lora_B." in name:
-                assert tensor.abs().max() > 1e-3, name  # it trained (B starts at 0)
+        adapter = train_alike(group, reference, batch)
         base = {name: t for b in ray.get(group.export_weights.remote(1 << 14)) for name, t in unpack_bucket(b)}
         checkpoint = load_file(f"{tiny_model_dir}/model.safetensors")
         assert all(torch.equal(t, checkpoint[name].to(t.dtype)) for name, t in base.items())  # HF names, untouched
