@@ -21,7 +21,7 @@ from configs.schema import Config, CheckError
 PRESETS_DIR = Path(__file__).parent
 
 # The config schema of each pipeline kind, by the top-level ``kind`` key (default rlvr).
-KINDS: dict[str, type[BaseModel]] = {"rlvr": Config}
+KINDS: dict[str, type[BaseModel]] = {kind: Config for kind in typing.get_args(Config.model_fields["kind"].annotation)}
 
 
 class ConfigError(ValueError):

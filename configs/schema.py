@@ -11,15 +11,14 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from configs.checks import (CheckError, backend, check_data_files, check_option_values, check_options,
                             keyword_options)
 from configs.placement import PlacementConfig
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+from configs.post_training import (DistillConfig, DPOConfig, OnPolicyDistillConfig, PipelineConfig,
+                                     SFTConfig)
+from configs.sections import OptimConfig, Section
 
 
 class RunConfig(Section):
@@ -291,31 +290,9 @@ class RolloutConfig(Section):
     """Extra single-token stop strings besides EOS."""
 
 
-class OptimConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    """Peak learning rate of AdamW."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Clip the global gradient norm to this value."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warmup, in optimizer steps (an RL step takes ppo_epochs × mini_batches of them)."""
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """LR after warmup."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    """Final LR as a fraction of lr (linear/cosine)."""
-
-
 class CriticOptimConfig(OptimConfig):
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate of the critic's AdamW (a fresh value head learns faster than the policy)."""
-
-
-class SFTOptimConfig(OptimConfig):
-    lr: float = Field(1e-3, gt=0)
-    """Peak learning rate of the warm start's AdamW."""
 
 
 class KLConfig(Section):
@@ -515,17 +492,6 @@ class TrainConfig(Section):
     """Optimizer of the policy."""
 
 
-class SFTConfig(Section):
-    steps: int = Field(100, gt=0)
-    """Optimizer steps of the supervised warm start."""
-    batch_size: int = Field(32, gt=0)
-    """Examples per step."""
-    micro_batch_size: int = Field(32, gt=0)
-    """Rows per forward/backward."""
-    optim: SFTOptimConfig = SFTOptimConfig()
-    """Optimizer of the warm start."""
-
-
 class EvalConfig(Section):
     every: int = Field(10, ge=0)
     """Evaluate on the held-out split every N RL steps (and before the first and after the last); 0 = only at the ends."""
@@ -569,11 +535,12 @@ class SyncConfig(Section):
 
 
 class Config(Section):
-    """A run of kind ``rlvr``: optional SFT warm start, then RLVR."""
+    """A run: its stages (``kind``) and the sections each stage reads."""
 
-    kind: Literal["rlvr"] = "rlvr"
-    """Pipeline kind: which stages run (flows/pipeline.py) and which schema the loader validates with
-    (configs/loader.py KINDS). rlvr: base model, SFT when sft: is set, then RL."""
+    kind: Literal["rlvr", "sft", "dpo", "distill", "onpolicy_distill", "pipeline"] = "rlvr"
+    """Which stages run (flows/pipeline.py), after the tiny base model when model.source is tiny: rlvr: SFT
+    when sft: is set, then RL; sft: SFT; dpo / distill / onpolicy_distill: SFT when sft: is set, then that
+    stage; pipeline: the stages of pipeline.stages, each its own MLflow run nested under the run's."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig(source="tiny")
     data: DataConfig = DataConfig()
@@ -582,13 +549,41 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     sft: SFTConfig | None = None
-    """Supervised warm start before RL; omit to start RL from model as given."""
+    """Supervised fine-tuning (kind sft, a pipeline's sft stage, or the warm start before RL, DPO or
+    distillation); omit to start from the model as given."""
+    dpo: DPOConfig | None = None
+    """Direct preference optimisation (kind dpo, a pipeline's dpo stage)."""
+    distill: DistillConfig | None = None
+    """Offline distillation from a teacher's cached top-k log-probs (kind distill, a pipeline's distill stage)."""
+    onpolicy_distill: OnPolicyDistillConfig | None = None
+    """On-policy distillation: RL's rollouts and update with the teachers' per-token reverse KL as advantage
+    (kind onpolicy_distill); rollout:, train: and algorithm: (its policy loss) apply."""
+    pipeline: PipelineConfig | None = None
+    """The stages of kind pipeline."""
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     sync: SyncConfig = SyncConfig()
     placement: PlacementConfig | None = None
     """Replicas and GPUs per role and which roles share devices; omit to run every engine on CPU, as one actor."""
+
+    def stage_names(self) -> list[str]:
+        """The training stages of ``kind`` in order (the tiny base model before them is not one)."""
+        if self.kind == "pipeline":
+            return list(self.pipeline.stages)
+        warm_start = ["sft"] if self.sft is not None and self.kind != "sft" else []
+        return [*warm_start, self.kind]
+
+    @model_validator(mode="after")
+    def _stage_sections(self):
+        if (self.kind == "pipeline") != (self.pipeline is not None):
+            raise CheckError(("pipeline",), "pipeline: lists the stages of kind pipeline and only those; "
+                             "set kind: pipeline or remove pipeline:")
+        needs = {"sft": self.sft, "dpo": self.dpo, "distill": self.distill, "onpolicy_distill": self.onpolicy_distill}
+        for stage in self.stage_names():
+            if stage in needs and needs[stage] is None:
+                raise CheckError((stage,), f"stage {stage} needs a {stage}: section (its data, steps and optimizer)")
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self):

@@ -27,7 +27,8 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 
 from configs.placement import PlacementConfig
 from configs.schema import Config
-from flows.setup import domain_rewards, final_dir, load_domains, reserve_placement, start_train_engine
+from flows.setup import (checkpoint_root, domain_rewards, load_domains, reserve_placement, stage_dir,
+                         start_train_engine)
 from flows.stages import stage_key
 from flows.progress import StageProgress
 from flows.tracking import RunTracker
@@ -422,10 +423,12 @@ def eval_metrics(accuracy: float, per_domain: dict[str, float]) -> dict[str, flo
 
 
 @flow(name="rlvr", persist_result=False)
-def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: str) -> dict:
+def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: str, stage: str = "rlvr") -> dict:
     """RL from ``model_path`` with ``config.algorithm``; returns the final ``RLState`` as JSON (step, data
-    position, held-out accuracies, KL coefficient, running reward moments, the checkpoint steps resumed from)."""
-    cfg, run_dir = config, config.run.resolved_dir
+    position, held-out accuracies, KL coefficient, running reward moments, the checkpoint steps resumed from).
+    ``stage``: ``rlvr``, or ``onpolicy_distill`` (the teachers' per-token advantage, ``onpolicy_distill:``);
+    each keeps its checkpoints and output in its own folders (``flows/setup.py``)."""
+    cfg, run_dir = config, checkpoint_root(config, stage)
     domains = load_domains(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     latest = store.latest_checkpoint(run_dir)
@@ -471,6 +474,6 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
                 checkpoint(engines.train_engines, run_dir, step, state.to_json(), cfg.checkpoint.keep)
     progress.close()
     tracker.flush()
-    save_model(engines.trainer, final_dir(cfg), state.step, state.to_json(), key=stage_key(cfg, "rlvr", model_path))
+    save_model(engines.trainer, stage_dir(cfg, stage), state.step, state.to_json(), key=stage_key(cfg, stage, model_path))
     engines.stop()
     return state.to_json()

@@ -197,11 +197,28 @@ def check_prompt_lengths(config: Config, model_path: str, rows: list[dict]) -> N
                           + ("" if key == "model.path" else f" (raise {key})"))
 
 
+STAGE_OUTPUTS = {"rlvr": "final", "sft": "sft_model", "dpo": "dpo_model", "distill": "distill_model",
+                 "onpolicy_distill": "onpolicy_distill_model", "eval": "eval"}
+"""Each stage's output folder under the run directory."""
+
+
+def stage_dir(config: Config, stage: str) -> str:
+    """The output folder of ``stage`` (``STAGE_OUTPUTS``): its model, and its done-marker (``flows/stages.py``)."""
+    return store.join(config.run.resolved_dir, STAGE_OUTPUTS[stage])
+
+
+def checkpoint_root(config: Config, stage: str) -> str:
+    """Where ``stage`` keeps its checkpoints (``<root>/checkpoints/step_N``): the run directory for RLVR,
+    ``<run.dir>/stages/<stage>`` for the others."""
+    run_dir = config.run.resolved_dir
+    return run_dir if stage == "rlvr" else store.join(run_dir, "stages", stage)
+
+
 def final_dir(config: Config) -> str:
     """The RL stage's output: the run's final model (``flows/stages.py``)."""
-    return store.join(config.run.resolved_dir, "final")
+    return stage_dir(config, "rlvr")
 
 
 def sft_dir(config: Config) -> str:
     """The SFT stage's output: the warm-started model."""
-    return store.join(config.run.resolved_dir, "sft_model")
+    return stage_dir(config, "sft")

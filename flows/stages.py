@@ -58,6 +58,7 @@ SAFE_CHANGES = frozenset({
     "rollout.vllm.cpu_kv_cache_gib",
     "train.steps",             # only raised, and only with constant LR schedules (``_refusal``): the run
                                # continues from its newest checkpoint to the new step count
+    *(f"{stage}.{key}" for stage in ("sft", "dpo", "distill") for key in ("eval_every", "checkpoint_every")),
 })
 
 # The config each stage's output depends on, by stage, besides its input and the data fingerprint
@@ -67,7 +68,11 @@ DEPENDS: dict[str, tuple[str, ...]] = {
     "sft": ("sft", "model.dtype", "run.seed"),
     "rlvr": ("run.seed", "model.dtype", "data", "reward", "rollout", "algorithm", "train", "eval", "sync",
              "placement.rollout.replicas"),  # a step's prompts are split into at least one chunk per replica
+    "dpo": ("dpo", "model.dtype", "model.lora", "run.seed"),
+    "distill": ("distill", "model.dtype", "model.lora", "run.seed"),
+    "eval": ("eval", "rollout.max_new_tokens", "rollout.stop", "reward", "data", "run.seed"),
 }
+DEPENDS["onpolicy_distill"] = (*DEPENDS["rlvr"], "onpolicy_distill")
 
 
 class RerunError(ConfigError):
@@ -87,8 +92,14 @@ class Stage:
     """For a stage that continues from its own checkpoints (RL): the step its marker must reach."""
 
 
-def data_fingerprint(config: Config) -> str:
-    return dataset_fingerprint(*load_rows(config))
+def data_fingerprint(config: Config, stage: str = "rlvr") -> str:
+    """What the data ``stage`` trains on hashes to: the RL rows, or the stage's own rows (``sft.data``, …)."""
+    section = getattr(config, stage, None) if stage in ("sft", "dpo", "distill") else None
+    if section is None or section.data.source == "rl":
+        return dataset_fingerprint(*load_rows(config))
+    from flows.supervised import stage_rows
+
+    return dataset_fingerprint(*stage_rows(config, stage))
 
 
 def input_key(uri: str | None) -> str:
@@ -101,7 +112,7 @@ def input_key(uri: str | None) -> str:
 
 def stage_key(config: Config, name: str, input_uri: str | None) -> str:
     """The key stage ``name`` writes into its marker, made from ``input_uri``."""
-    return _key(config, name, input_key(input_uri), data_fingerprint(config))
+    return _key(config, name, input_key(input_uri), data_fingerprint(config, name))
 
 
 def _key(config: Config, name: str, upstream: str, data: str) -> str:
@@ -118,9 +129,9 @@ def plan(config: Config, stages: list[Stage], start: str | None = None) -> list[
     """Each stage with what running the pipeline does with it: ``skip`` (done with this key), ``run`` (no
     marker) or ``extend`` (fewer steps than asked); ``start`` is the first stage's input. Reads markers
     only: no Ray, no Prefect."""
-    data, upstream, planned = data_fingerprint(config), input_key(start), []
+    upstream, planned = input_key(start), []
     for stage in stages:
-        key = _key(config, stage.name, upstream, data)
+        key = _key(config, stage.name, upstream, data_fingerprint(config, stage.name))
         marker = store.read_json(store.join(stage.out, store.MANIFEST))
         action = _action(stage, key, marker)
         planned.append((stage, action))

@@ -52,7 +52,7 @@ def test_safe_changes_are_accepted_and_listed(tmp_path):
     # a cosine schedule is stretched over train.steps: the LR of steps 1-4 would change
     (["train.optim.schedule=cosine", "train.steps=6"], "train.steps: 4 -> 6 (train.optim.schedule: cosine spans "
      "train.steps, so more steps would change the steps already taken), train.optim.schedule: constant -> cosine"),
-    (["sft.steps=3"], 'sft: null -> {"steps":3,"batch_size":32,"micro_batch…'),  # a section set on one side only
+    (["sft.steps=3"], 'sft: null -> {"data":{"source":"rl","train_path":nul…'),  # a section set on one side only
 ])
 def test_unsafe_changes_name_every_refused_key(tmp_path, overrides, refused):
     _record(_config(tmp_path))
@@ -128,12 +128,15 @@ def test_safe_changes_keep_every_stage_key(tmp_path):
     assert stage_key(config, "rlvr", "other-input") != stage_key(config, "rlvr", "in")
 
 
-def test_the_kind_picks_the_schema_and_an_unknown_kind_lists_the_known_ones(tmp_path):
+def test_the_kind_picks_the_stages_and_an_unknown_kind_lists_the_known_ones(tmp_path):
     assert _config(tmp_path).kind == "rlvr"
+    known = "rlvr, sft, dpo, distill, onpolicy_distill, pipeline"
     with pytest.raises(ConfigError) as error:
-        load_config("configs/tiny.yaml", ["kind=distill"])
-    assert str(error.value) == "override 'kind=distill': kind: unknown pipeline kind 'distill'; known: rlvr"
+        load_config("configs/tiny.yaml", ["kind=ppo"])
+    assert str(error.value) == f"override 'kind=ppo': kind: unknown pipeline kind 'ppo'; known: {known}"
     preset = tmp_path / "dpo.yaml"
-    preset.write_text("kind: dpo\n")
-    with pytest.raises(ConfigError, match=r"^.*dpo.yaml: kind: unknown pipeline kind 'dpo'; known: rlvr$"):
+    preset.write_text("kind: dpo\n")  # a dpo run without its section says which one to add
+    with pytest.raises(ConfigError, match=r"^.*dpo.yaml: dpo: stage dpo needs a dpo: section"):
         load_config(preset)
+    assert load_config(preset, ["dpo.steps=3"]).stage_names() == ["dpo"]
+    assert load_config(preset, ["dpo.steps=3", "sft.steps=2"]).stage_names() == ["sft", "dpo"]  # a warm start
