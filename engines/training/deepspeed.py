@@ -166,8 +166,8 @@ class DeepSpeedTrainEngine(TorchTrainEngine):
             dist_init_required=False)
 
     # -- forward and the update step ---------------------------------------------------------------------
-    def _forward(self, micro: TrainBatch, *, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
-        return self.engine(lambda: super(DeepSpeedTrainEngine, self)._forward(micro, entropy_grad=entropy_grad))
+    def _forward(self, micro: TrainBatch, **options) -> dict[str, torch.Tensor]:
+        return self.engine(lambda: super(DeepSpeedTrainEngine, self)._forward(micro, **options))
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -140,8 +140,8 @@ class FSDP2TrainEngine(TorchTrainEngine):
     def rollout_values(self, rollouts: Rollouts) -> torch.Tensor:
         return self._scoring(super().rollout_values, rollouts)
 
-    def _forward(self, micro: TrainBatch, *, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
-        return self._root(super()._forward, micro, entropy_grad=entropy_grad)
+    def _forward(self, micro: TrainBatch, **options) -> dict[str, torch.Tensor]:
+        return self._root(super()._forward, micro, **options)
 
     def _step_kwargs(self) -> dict:
         return {**super()._step_kwargs(), "rank": self.rank, "world_size": self.world_size, "step": self._step}

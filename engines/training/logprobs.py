@@ -4,11 +4,16 @@ reference engines. Both are aligned with ``input_ids``: entry ``t`` is computed 
 ``packed_token_logprobs`` is the padding-free form: sequences are packed into rows of the batch's longest
 length (first-fit decreasing), each restarting its position ids so attention stays within it, and the
 LM head runs only at the positions whose next token is needed (the response tokens).
+
+Both forms compute one log-softmax over the vocabulary (``VocabLogprobs``); ``token_outputs`` derives from
+it what a loss asks for (``FORWARD_OUTPUTS``): the sampled token's log-prob, the entropy, whether the
+argmax is the token, the whole distribution, or its values at given ids (a teacher's top-k).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
@@ -33,6 +38,79 @@ def token_entropy(log_probs: torch.Tensor, *, grad: bool) -> torch.Tensor:
         return -(detached.exp() * detached).sum(-1)
 
 
+FORWARD_OUTPUTS: dict[str, str] = {"entropy": "entropy", "top1": "top1_correct", "vocab_logprobs": "vocab_logprobs",
+                                   "gathered_logprobs": "gathered_logprobs"}
+"""What a forward returns besides ``logprobs`` on request (an objective's ``outputs``): name -> key of the result."""
+
+
+@dataclass(frozen=True)
+class VocabLogprobs:
+    """``log softmax(logits / temperature)`` over the vocabulary at ``N`` positions of a ``[B, L]`` batch: every
+    position after the first (padded form) or the needed ones (packed form). Row ``n`` is the distribution
+    of the token at ``index[n]``, computed from the tokens before it."""
+
+    log_probs: torch.Tensor  # [N, V] float32, differentiable
+    index: tuple[torch.Tensor, torch.Tensor]  # ([N], [N]): the positions' rows and columns in [B, L]
+    targets: torch.Tensor  # [N] int64: the token at each position
+    shape: tuple[int, int]  # (B, L)
+
+    def place(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` ``[N, ...]`` at their positions of a ``[B, L, ...]`` tensor, 0 elsewhere (differentiable)."""
+        out = values.new_zeros((*self.shape, *values.shape[1:]))
+        out[self.index] = values
+        return out
+
+
+def padded_vocab_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [B, L] int64
+    attention_mask: torch.Tensor,  # [B, L]
+    *,
+    temperature: float = 1.0,
+) -> VocabLogprobs:
+    """The tempered log-softmax at every position ``t >= 1`` (from the logits at ``t - 1``), one forward of
+    the padded batch."""
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+    ).logits[:, :-1]
+    logits = logits.float() / (temperature if temperature > 0 else 1.0)
+    log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
+    rows, width = input_ids.shape
+    cols = torch.arange(1, width, device=input_ids.device)
+    index = (torch.arange(rows, device=input_ids.device).repeat_interleave(width - 1), cols.repeat(rows))
+    return VocabLogprobs(log_probs.reshape(-1, log_probs.shape[-1]), index, input_ids[index], (rows, width))
+
+
+def token_outputs(vocab: VocabLogprobs, outputs: Iterable[str] = (), *, entropy_grad: bool = False,
+                  gather_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``logprobs`` ``[B, L]`` (the token's log-prob) and the requested ``outputs`` (``FORWARD_OUTPUTS``), all
+    from ``vocab``'s one log-softmax and 0 at the positions it does not cover:
+
+    - ``entropy`` → ``entropy`` ``[B, L]``, differentiable only with ``entropy_grad`` (``token_entropy``);
+    - ``top1`` → ``top1_correct`` ``[B, L]`` float: 1 where the argmax of the tempered logits is the token
+      (no gradient);
+    - ``vocab_logprobs`` → ``vocab_logprobs`` ``[B, L, V]``: the whole log-softmax, differentiable;
+    - ``gathered_logprobs`` → ``gathered_logprobs`` ``[B, L, k]``: the log-softmax at ``gather_ids``
+      ``[B, L, k]`` int64 (e.g. a teacher's top-k ids, aligned like ``input_ids``), differentiable."""
+    unknown = set(outputs) - FORWARD_OUTPUTS.keys()
+    if unknown:
+        raise ValueError(f"unknown forward outputs {sorted(unknown)}; known: {', '.join(sorted(FORWARD_OUTPUTS))}")
+    log_probs = vocab.log_probs  # [N, V]
+    out = {"logprobs": vocab.place(log_probs.gather(-1, vocab.targets[:, None]).squeeze(-1))}
+    if "entropy" in outputs:
+        out["entropy"] = vocab.place(token_entropy(log_probs, grad=entropy_grad))
+    if "top1" in outputs:
+        out["top1_correct"] = vocab.place((log_probs.detach().argmax(-1) == vocab.targets).float())
+    if "vocab_logprobs" in outputs:
+        out["vocab_logprobs"] = vocab.place(log_probs)
+    if "gathered_logprobs" in outputs:
+        if gather_ids is None or tuple(gather_ids.shape[:2]) != vocab.shape or gather_ids.dim() != 3:
+            raise ValueError(f"gathered_logprobs needs gather_ids [B, L, k] with (B, L) = {vocab.shape} "
+                             f"(batch.tensors['gather_ids']), got {None if gather_ids is None else tuple(gather_ids.shape)}")
+        out["gathered_logprobs"] = vocab.place(log_probs.gather(-1, gather_ids[vocab.index].long()))
+    return out
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # [B, L] int64
@@ -47,17 +125,9 @@ def token_logprobs(
     Returns ``(logprobs [B, L], entropy [B, L] or None)``; entropy is of the same tempered distribution,
     differentiable only with ``entropy_grad`` (``token_entropy``).
     """
-    logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
-    ).logits[:, :-1]
-    logits = logits.float() / (temperature if temperature > 0 else 1.0)
-    log_probs = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
-    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
-    zero = picked.new_zeros(picked.shape[0], 1)
-    entropy = None
-    if with_entropy:
-        entropy = torch.cat([zero, token_entropy(log_probs, grad=entropy_grad)], dim=1)
-    return torch.cat([zero, picked], dim=1), entropy
+    vocab = padded_vocab_logprobs(model, input_ids, attention_mask, temperature=temperature)
+    out = token_outputs(vocab, ("entropy",) if with_entropy else (), entropy_grad=entropy_grad)
+    return out["logprobs"], out.get("entropy")
 
 
 @dataclass(frozen=True)
@@ -205,6 +275,28 @@ def _output_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor
     return logits
 
 
+def packed_vocab_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [B, L] int64, left-aligned
+    attention_mask: torch.Tensor,  # [B, L]
+    needed: torch.Tensor,  # [B, L]: tokens whose distribution is wanted, e.g. the response mask
+    *,
+    temperature: float = 1.0,
+    share_prefixes: bool = False,
+) -> VocabLogprobs:
+    """The tempered log-softmax at the ``needed`` positions only, computed on packed rows without padding,
+    the LM head run at those positions alone; with ``share_prefixes``, rows with one prompt share it (see
+    ``pack_sequences``). Same values as ``padded_vocab_logprobs`` there up to float rounding."""
+    packed = pack_sequences(input_ids, attention_mask, needed, share_prefixes=share_prefixes, dtype=model.dtype)
+    # without a mask, transformers tells the packed sequences apart by their restarting positions
+    hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                                 attention_mask=packed.attention_mask, use_cache=False).last_hidden_state
+    logits = _output_logits(model, hidden[packed.logit_index]).float()
+    logits = logits / (temperature if temperature > 0 else 1.0)
+    log_probs = torch.log_softmax(logits, dim=-1)  # [N, V]
+    return VocabLogprobs(log_probs, packed.target_index, packed.target_ids, tuple(input_ids.shape))
+
+
 def packed_token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # [B, L] int64, left-aligned
@@ -221,20 +313,10 @@ def packed_token_logprobs(
 
     Same values as the padded form up to float rounding; ``[B, L]`` outputs, differentiable (the entropy
     only with ``entropy_grad``)."""
-    packed = pack_sequences(input_ids, attention_mask, needed, share_prefixes=share_prefixes, dtype=model.dtype)
-    # without a mask, transformers tells the packed sequences apart by their restarting positions
-    hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                 attention_mask=packed.attention_mask, use_cache=False).last_hidden_state
-    logits = _output_logits(model, hidden[packed.logit_index]).float()
-    logits = logits / (temperature if temperature > 0 else 1.0)
-    log_probs = torch.log_softmax(logits, dim=-1)  # [N, V]
-    out = log_probs.new_zeros(input_ids.shape)
-    out[packed.target_index] = log_probs.gather(-1, packed.target_ids[:, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        entropy = log_probs.new_zeros(input_ids.shape)
-        entropy[packed.target_index] = token_entropy(log_probs, grad=entropy_grad)
-    return out, entropy
+    vocab = packed_vocab_logprobs(model, input_ids, attention_mask, needed, temperature=temperature,
+                                  share_prefixes=share_prefixes)
+    out = token_outputs(vocab, ("entropy",) if with_entropy else (), entropy_grad=entropy_grad)
+    return out["logprobs"], out.get("entropy")
 
 
 def token_values(
@@ -270,11 +352,21 @@ def batched_values(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: 
     return _batched(lambda m: token_values(model, m.input_ids, m.attention_mask), batch, micro_batch_size)
 
 
-def _batched(forward, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
+def batched_outputs(forward: Callable[[TrainBatch], dict[str, torch.Tensor]], batch: TrainBatch,
+                    micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """``forward`` (a dict of ``[b, l, ...]`` tensors) over ``batch``'s micro-batches, each padded back to the
+    batch width with zeros: ``[B, L, ...]`` per key, in the dtype ``forward`` gives it."""
+    out: dict[str, torch.Tensor] = {}
     start = 0
     for micro in batch.micro_batches(micro_batch_size):
-        values = forward(micro)
-        out[start : start + len(micro), : values.shape[1]] = values
+        for key, values in forward(micro).items():
+            if key not in out:
+                out[key] = values.new_zeros((len(batch), batch.input_ids.shape[1], *values.shape[2:]))
+            out[key][start : start + len(micro), : values.shape[1]] = values
         start += len(micro)
     return out
+
+
+def _batched(forward, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    out = batched_outputs(lambda micro: {"values": forward(micro).float()}, batch, micro_batch_size)
+    return out.get("values", torch.zeros(batch.input_ids.shape, device=batch.input_ids.device))

@@ -27,7 +27,8 @@ from engines.checkpoint_store import write_bytes
 from engines.models import load_model, load_tokenizer, load_value_model, resolve_device, set_torch_threads
 from engines.training.lora import (AdapterUpdate, adapter_checksum, adapter_tensors, base_parameters, export_adapter,
                                    merge_tensors, peft_state_dict, scalings, wrap_lora)
-from engines.training.logprobs import batched_logprobs, batched_values, packed_token_logprobs, token_logprobs, token_values
+from engines.training.logprobs import (batched_logprobs, batched_values, packed_vocab_logprobs, padded_vocab_logprobs,
+                                      token_outputs, token_values)
 from engines.training.precision import MasterWeights, needs_master_weights
 from engines.training.updates import UpdateSpec, run_updates
 from engines.types import Rollouts, TrainBatch, build_train_batch
@@ -92,7 +93,8 @@ class TorchTrainEngine:
     """Trainable policy (``head="policy"``) or critic (``head="value"``) with its optimizer. Lives in a Ray actor.
 
     The loss function receives ``logprobs`` and ``entropy`` (policy) or ``values`` (critic), each
-    ``[b, l]`` for one micro-batch, plus the micro-batch itself. With ``packing`` the policy's forward
+    ``[b, l]`` for one micro-batch, plus the micro-batch itself, and the extra outputs its ``outputs``
+    attribute names (``_forward``: token accuracy, the whole distribution, log-probs at given ids). With ``packing`` the policy's forward
     runs on the micro-batch's sequences packed without padding, and logprobs/entropy are computed at
     response tokens only (0 elsewhere; every objective masks with ``loss_mask``).
 
@@ -184,19 +186,24 @@ class TorchTrainEngine:
         batch = build_train_batch(rollouts, pad_token_id=0).to(self.device)
         return batched_values(self.model, batch, self.micro_batch_size).cpu()
 
-    def _forward(self, micro: TrainBatch, *, entropy_grad: bool = True) -> dict[str, torch.Tensor]:
-        """The loss function's inputs for ``micro``. The entropy is differentiable only with ``entropy_grad``
-        (the objective's ``needs_entropy_grad``); without, it is a metric and keeps no vocabulary-wide graph."""
+    def _forward(self, micro: TrainBatch, *, entropy_grad: bool = True,
+                 outputs: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """The loss function's inputs for ``micro``: ``logprobs`` and ``entropy`` [b, l], plus the objective's
+        ``outputs`` (``engines.training.logprobs.token_outputs``: ``top1_correct``, ``vocab_logprobs``,
+        ``gathered_logprobs`` at ``micro.tensors["gather_ids"]``), all from one log-softmax. The entropy is
+        differentiable only with ``entropy_grad`` (the objective's ``needs_entropy_grad``); without, it is a
+        metric and keeps no vocabulary-wide graph."""
         if self.head == "value":
+            if outputs:
+                raise ValueError(f"a critic (head='value') returns values only; the objective asks for {sorted(outputs)}")
             return {"values": token_values(self.model, micro.input_ids, micro.attention_mask)}
         if self.packing:
-            logprobs, entropy = packed_token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                                      micro.loss_mask, temperature=self.temperature, with_entropy=True,
-                                                      entropy_grad=entropy_grad, share_prefixes=self.share_prompts)
+            vocab = packed_vocab_logprobs(self.model, micro.input_ids, micro.attention_mask, micro.loss_mask,
+                                          temperature=self.temperature, share_prefixes=self.share_prompts)
         else:
-            logprobs, entropy = token_logprobs(self.model, micro.input_ids, micro.attention_mask,
-                                               temperature=self.temperature, with_entropy=True, entropy_grad=entropy_grad)
-        return {"logprobs": logprobs, "entropy": entropy}
+            vocab = padded_vocab_logprobs(self.model, micro.input_ids, micro.attention_mask, temperature=self.temperature)
+        return token_outputs(vocab, {"entropy", *outputs}, entropy_grad=entropy_grad,
+                             gather_ids=micro.tensors.get("gather_ids"))
 
     def train_step(self, batch: TrainBatch, loss_fn: Callable, update: UpdateSpec = UpdateSpec()) -> dict[str, float]:
         """``update.epochs × update.mini_batches`` optimizer steps over ``batch`` (``engines.training.updates``),
@@ -205,7 +212,8 @@ class TorchTrainEngine:
         self.model.train()
         batch = batch.to(self.device)
         entropy_grad = getattr(loss_fn, "needs_entropy_grad", True)
-        forward = lambda micro: self._forward(micro, entropy_grad=entropy_grad)  # noqa: E731
+        outputs = frozenset(getattr(loss_fn, "outputs", frozenset()))  # extra forward outputs (``_forward``)
+        forward = lambda micro: self._forward(micro, entropy_grad=entropy_grad, outputs=outputs)  # noqa: E731
         totals = run_updates(batch, loss_fn, update, forward=forward, micro_batch_size=self.micro_batch_size,
                              **self._step_kwargs())
         if self.head == "value":  # the critic's metrics live under critic/
@@ -444,6 +452,10 @@ class ReferenceEngine:
     def rollout_logprobs(self, rollouts: Rollouts) -> torch.Tensor:
         """Logprobs of ``prompt ++ response`` rows, aligned like ``build_train_batch(rollouts)``."""
         return self.logprobs(build_train_batch(rollouts, pad_token_id=0))  # pads are masked out
+
+    def sequence_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """``Σ_t logprobs[b, t] · loss_mask[b, t]``: each row's summed answer log-prob (DPO's reference), [B]."""
+        return (self.logprobs(batch) * batch.loss_mask.cpu()).sum(-1)
 
     # -- memory (engines.protocols) --------------------------------------------------------------------
     _home: torch.device | None = None  # offload(): where the weights were; None while loaded
