@@ -18,6 +18,7 @@ BACKENDS: dict[str, dict[str, str]] = {
               "deepspeed": "engines.training.deepspeed:DeepSpeedTrainEngine",
               "fsdp2": "engines.training.fsdp2:FSDP2TrainEngine"},
     "reference": {"torch": "engines.training.torch:ReferenceEngine"},
+    "teacher": {"torch": "engines.training.teacher:TeacherEngine"},
     "reward": {"worker": "engines.reward_worker:RewardWorker"},
 }
 """Role -> short name -> ``package.module:Class``. A role's short names are what its config key accepts."""

@@ -174,3 +174,26 @@ def stop_token_ids(tokenizer, stop_strings: Iterable[str] = ()) -> tuple[int, ..
             raise ValueError(f"stop string {text!r} is {len(encoded)} tokens; stop strings must be single tokens")
         ids.add(encoded[0])
     return tuple(sorted(i for i in ids if i is not None))
+
+
+def check_vocabularies(student_path: str, teacher_path: str) -> None:
+    """Pass when a teacher can score a student's tokens: both load the same tokenizer (every token has one
+    id, same special tokens) and both models' vocabularies (``config.vocab_size``, the embedding rows) hold
+    every token of it, so they differ at most in padding rows past its length. Otherwise a one-line
+    ``ValueError`` naming both paths and what differs. Reads tokenizers and configs, never weights."""
+    from transformers import AutoConfig
+
+    student, teacher = load_tokenizer(student_path), load_tokenizer(teacher_path)
+    pair = f"student {student_path} vs teacher {teacher_path}"
+    student_ids, teacher_ids = student.get_vocab(), teacher.get_vocab()
+    moved = sorted(t for t in student_ids.keys() | teacher_ids.keys() if student_ids.get(t) != teacher_ids.get(t))
+    if moved:
+        raise ValueError(f"{pair}: the teacher tokenizer maps {len(moved)} tokens differently (e.g. {moved[0]!r}: "
+                         f"{student_ids.get(moved[0])} vs {teacher_ids.get(moved[0])}); distillation needs one tokenizer")
+    if student.special_tokens_map != teacher.special_tokens_map:
+        raise ValueError(f"{pair}: special tokens differ: {student.special_tokens_map} vs {teacher.special_tokens_map}")
+    rows = [AutoConfig.from_pretrained(local_model_path(path)).get_text_config().vocab_size
+            for path in (student_path, teacher_path)]
+    if min(rows) < len(student):
+        raise ValueError(f"{pair}: vocab sizes {rows[0]} vs {rows[1]} differ beyond padding: the tokenizer has "
+                         f"{len(student)} tokens")

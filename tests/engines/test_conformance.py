@@ -51,7 +51,7 @@ TRAIN_BACKENDS = [Backend("train/torch", {"optim": OptimSpec(lr=1e-3)}),
                   pytest.param(Backend("train/fsdp2", {"optim": OptimSpec(lr=1e-3)}, ranks=2), marks=pytest.mark.ray),
                   pytest.param(Backend("train/deepspeed", {"optim": OptimSpec(lr=1e-3), "zero_stage": 3}, ranks=2),
                                marks=pytest.mark.ray)]
-SCORING_BACKENDS = [Backend("reference/torch"), *TRAIN_BACKENDS]
+SCORING_BACKENDS = [Backend("reference/torch"), Backend("teacher/torch"), *TRAIN_BACKENDS]
 
 PROMPTS = ["12+3=", "1+1=", "29+30=", "7+8="]
 
@@ -159,7 +159,7 @@ def test_scoring_engine_conforms(scoring_backend, tiny_model_dir):
 
 def test_every_registered_backend_is_in_the_suite():
     suite = {_kind(entry) for entry in ROLLOUT_BACKENDS + TRAIN_BACKENDS + SCORING_BACKENDS}
-    registered = {f"{role}/{name}" for role in ("rollout", "train", "reference") for name in BACKENDS[role]}
+    registered = {f"{role}/{name}" for role in ("rollout", "train", "reference", "teacher") for name in BACKENDS[role]}
     assert registered <= suite
 
 
