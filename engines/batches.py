@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.algorithms import advantages, kl
+from engines.algorithms import advantages, kl, onpolicy
 from engines.algorithms.advantages import outcome_token_rewards
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, shape_advantages, shape_sequence_rewards
 from engines.types import Rollouts, build_train_batch
@@ -32,12 +32,19 @@ class AdvantageSpec:
 def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor, spec: AdvantageSpec, *,
                     ref_logprobs: torch.Tensor | None = None, old_logprobs: torch.Tensor | None = None,
                     values: torch.Tensor | None = None, kl_coef: float = 0.0,
-                    moments: RunningMoments | None = None):
+                    moments: RunningMoments | None = None, teacher_logprobs: torch.Tensor | None = None,
+                    teacher_coef: float = 1.0, distill_only: bool = False,
+                    teacher_kl_groups: dict[str, list[int]] | None = None):
     """Shape rewards, run the estimator, build the TrainBatch; returns ``(batch, summary, moments)``.
 
     The batch carries ``advantages``, ``returns``, ``old_logprobs`` (the trainer's when given, else the
     rollout engine's), ``rollout_logprobs``, and ``ref_logprobs`` / ``values`` when given. ``moments``
     are the running reward statistics, updated when ``shaping.reward_norm == "running"``.
+
+    On-policy distillation: ``teacher_logprobs`` [B, L] (each row scored by its teacher, aligned like the
+    batch) add ``-teacher_coef · (log q_sampler - log p_teacher)`` per completion token to the estimator's
+    shaped advantages, or replace them when ``distill_only`` (``onpolicy.distill_advantages``); the summary
+    gains ``teacher_kl`` and ``teacher_kl/<name>`` over the rows of each of ``teacher_kl_groups``.
     """
     batch = build_train_batch(rollouts, spec.pad_token_id)
     width, mask = batch.input_ids.shape[1], batch.loss_mask  # [B, L]
@@ -59,6 +66,11 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     adv, returns = advantages.compute(spec.estimator, token_rewards=token_rewards, loss_mask=mask, group_ids=group_ids,
                                       values=tensors.get("values"), outcome_rewards=shaped, **spec.options)
     adv = shape_advantages(adv, mask, spec.shaping)
+    if teacher_logprobs is not None:  # after the estimator and its shaping: neither touches the teacher's term
+        adv, reverse_kl = onpolicy.distill_advantages(
+            student_logprobs=batch.tensors["rollout_logprobs"], teacher_logprobs=teacher_logprobs[:, :width],
+            loss_mask=mask, coef=teacher_coef, rl_advantages=None if distill_only else adv)
+        summary.update(onpolicy.teacher_kl_metrics(reverse_kl, mask, teacher_kl_groups))
     if spec.shaping.overlong_filter:  # DAPO: truncated samples carry no learning signal, drop them from the loss
         kept = torch.tensor([reason != "length" for reason in rollouts.finish_reasons], dtype=mask.dtype, device=mask.device)
         mask = mask * kept.unsqueeze(-1)
@@ -70,6 +82,18 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     summary["advantage/abs_mean"] = float(adv[is_response].abs().mean()) if is_response.any() else 0.0
     summary["advantage/returns_mean"] = float(returns[is_response].mean()) if is_response.any() else 0.0
     return batch, summary, moments
+
+
+def routed_logprobs(parts: list[torch.Tensor], rows: list[list[int]], num_rows: int) -> torch.Tensor:
+    """One ``[num_rows, L]`` tensor from per-teacher scores: ``parts[k]`` [len(rows[k]), L_k] holds the rows
+    ``rows[k]`` of the batch (left-aligned like ``build_train_batch``, so a row keeps its positions in a
+    subset); ``L`` is the widest part, rows no part covers are 0."""
+    width = max((part.shape[1] for part in parts), default=0)
+    out = torch.zeros((num_rows, width), dtype=torch.float32)
+    for part, idx in zip(parts, rows):
+        if idx:
+            out[torch.as_tensor(idx, dtype=torch.long), : part.shape[1]] = part.float()
+    return out
 
 
 def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:

@@ -107,7 +107,7 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
 
 # Losses of the form ``A[i, t] · f(π)[i, t]``: a row whose advantages are all 0 adds exactly 0 to the loss
 # and to its gradient, so the train step may skip it (tests/algorithms check every name listed here).
-ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "topr"})
+ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "topr", "importance_sampling"})
 
 
 @register("ppo_clip")
@@ -156,6 +156,34 @@ def ppo_clip(
             **ratio_metrics(log_ratio, loss_mask),
         }
     return pg_losses, metrics
+
+
+@register("importance_sampling")
+def importance_sampling(
+    *,
+    logprobs: torch.Tensor,  # [B, L]
+    old_logprobs: torch.Tensor,  # [B, L] the sampler's (old_logprobs: rollout) or the trainer's at scoring time
+    advantages: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance-sampled policy gradient, no clip: the surrogate whose gradient is REINFORCE's on samples
+    drawn from the old policy (Kakade & Langford 2002; the update of on-policy distillation, Lu & Thinking
+    Machines 2025, "On-Policy Distillation")::
+
+        ratio    = exp(LP - OLP)                                             # [B, L]
+        pg_loss  = -A * ratio               # gradient -A * ratio * grad LP
+
+    At the first step after sampling ``ratio`` is 1 and the gradient is the on-policy one. Truncate the
+    trainer/sampler weight with ``tis_cap`` (``old_logprobs: trainer``); for a trust region use ``ppo_clip``.
+
+    Metrics: ``actor/ratio_mean`` and ``ratio_metrics``' ``actor/approx_kl``, ``actor/ratio_max``,
+    ``actor/ratio_min``.
+    """
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)  # [B, L]
+    ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP))  # [B, L]
+    with torch.no_grad():
+        metrics = {"actor/ratio_mean": _token_mean(ratio, loss_mask), **ratio_metrics(log_ratio, loss_mask)}
+    return -advantages * ratio, metrics
 
 
 @register("gspo")
