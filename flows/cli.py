@@ -93,10 +93,15 @@ def run(config: str = typer.Argument(..., help="YAML preset (path or name under 
     accuracy = result["heldout_accuracy"]
     if result["already_finished"]:
         typer.echo(f"run {cfg.run.name!r} already finished: {result['final_dir']}")
-    steps = sorted(accuracy, key=int)
     typer.echo(f"final model: {result['final_dir']}  mlflow run: {result['mlflow_run_id']}", err=True)
-    label = "sft" if cfg.sft is not None else "start"
-    typer.echo(f"heldout_accuracy {label}={_fmt(accuracy.get('0'))} rl={_fmt(accuracy[steps[-1]] if steps else None)}")
+    if result["heldout"]:  # a supervised last stage: its held-out loss and accuracies
+        typer.echo("held-out " + " ".join(f"{k}={_fmt(v)}" for k, v in sorted(result["heldout"].items())))
+    elif "final" in accuracy:  # an eval stage
+        typer.echo(f"heldout_accuracy final={_fmt(accuracy['final'])}")
+    else:
+        steps = sorted(accuracy, key=int)
+        label = "sft" if cfg.sft is not None else "start"
+        typer.echo(f"heldout_accuracy {label}={_fmt(accuracy.get('0'))} rl={_fmt(accuracy[steps[-1]] if steps else None)}")
 
 
 @app.command()

@@ -20,26 +20,40 @@ from configs.schema import Config
 from engines import checkpoint_store as store
 from flows.rlvr import rlvr_flow
 from flows.lineage import config_hash, lineage_tags
-from flows.setup import (check_prompt_lengths, ensure_ray, final_dir, load_rows, sft_dir,
+from flows.evaluate import evaluate_flow
+from flows.setup import (check_prompt_lengths, checkpoint_root, ensure_ray, load_rows, stage_dir,
                          start_prefect_server)
-from flows.sft import sft_flow
-from flows.stages import RUN_RECORD, Stage, check_rerun, is_done, run_record, run_stages, stage_key
+from flows.stages import (RUN_RECORD, Stage, check_rerun, is_done, plan, run_record, run_stages, stage_key,
+                          supervised_stages)
+from flows.supervised import stage_rows, supervised_flow
 from flows.tracking import RunTracker, redact, tracking_uri
 
 
 def build_base_model(config: Config, _input: None, _tracker: RunTracker) -> str:
-    """A tiny model (``model.tiny``) with a tokenizer trained on the training rows, built into
+    """A tiny model (``model.tiny``) with a tokenizer trained on the text of every stage's rows, built into
     ``<run.dir>/base_model`` (local or s3://)."""
     from engines.models import TinyModelSpec, build_tiny_model
 
     out = store.join(config.run.resolved_dir, "base_model")
-    texts = [row["prompt"] + row["answer"] for row in load_rows(config)[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        built = build_tiny_model(Path(tmp) / "model", texts, TinyModelSpec(**config.model.tiny.model_dump()),
-                                 seed=config.run.seed)
+        built = build_tiny_model(Path(tmp) / "model", tokenizer_texts(config),
+                                 TinyModelSpec(**config.model.tiny.model_dump()), seed=config.run.seed)
         files = store.put_folder(str(built), out)
     store.write_manifest(out, 0, files, key=stage_key(config, "base_model", None))
     return out
+
+
+def tokenizer_texts(config: Config) -> list[str]:
+    """The text a tiny model's tokenizer is trained on: the RL rows, and the rows of each supervised stage
+    with data of its own, as the chat format renders them."""
+    texts = [row["prompt"] + row["answer"] for row in load_rows(config)[0]]
+    for stage in supervised_stages(config):
+        if getattr(config, stage).data.source != "rl":
+            from engines.data.synthetic import texts_for_tokenizer
+
+            train, heldout = stage_rows(config, stage)
+            texts += texts_for_tokenizer(train + heldout)
+    return texts
 
 
 def _check_input(config: Config, model_path: str) -> None:
@@ -48,41 +62,89 @@ def _check_input(config: Config, model_path: str) -> None:
     check_prompt_lengths(config, model_path, train_rows + heldout_rows)
 
 
-def sft_stage(config: Config, model_path: str, tracker: RunTracker) -> str:
+def supervised_stage(name: str):
+    """The runner of supervised stage ``name`` (sft, dpo, distill): ``flows/supervised.py``."""
+    def run(config: Config, model_path: str, tracker: RunTracker) -> str:
+        return supervised_flow(config, name, model_path, tracker, stage_key(config, name, model_path))
+    return run
+
+
+def rl_stage(name: str):
+    """The runner of RL stage ``name`` (rlvr, onpolicy_distill): ``flows/rlvr.py``."""
+    def run(config: Config, model_path: str, tracker: RunTracker) -> str:
+        _check_input(config, model_path)
+        rlvr_flow(config, model_path, tracker.uri, tracker.run_id, stage=name)
+        return stage_dir(config, name)
+    return run
+
+
+def eval_stage(config: Config, model_path: str, tracker: RunTracker) -> str:
     _check_input(config, model_path)
-    return sft_flow(config, model_path, tracker.uri, tracker.run_id)
+    return evaluate_flow(config, model_path, tracker, stage_key(config, "eval", model_path))
 
 
-def rl_stage(config: Config, model_path: str, tracker: RunTracker) -> str:
-    _check_input(config, model_path)
-    rlvr_flow(config, model_path, tracker.uri, tracker.run_id)
-    return final_dir(config)
-
-
-def rlvr_stages(config: Config) -> tuple[str | None, list[Stage]]:
-    """``(start, stages)`` of kind ``rlvr``: the first stage's input model and the stages in order."""
+def stages_of(config: Config) -> tuple[str | None, list[Stage]]:
+    """``(start, stages)``: the first stage's input model and the stages of ``config.kind`` in order
+    (``Config.stage_names``), after the tiny base model when ``model.source`` is tiny."""
     start = config.model.path if config.model.source == "hf" else None
     stages = [Stage("base_model", store.join(config.run.resolved_dir, "base_model"), build_base_model)] if start is None else []
-    if config.sft is not None:
-        stages.append(Stage("sft", sft_dir(config), sft_stage))
-    return start, [*stages, Stage("rlvr", final_dir(config), rl_stage, steps=config.train.steps)]
+    for name in config.stage_names():
+        if name in ("rlvr", "onpolicy_distill"):
+            stages.append(Stage(name, stage_dir(config, name), rl_stage(name), steps=config.train.steps,
+                                root=checkpoint_root(config, name)))
+        elif name == "eval":
+            stages.append(Stage(name, stage_dir(config, name), eval_stage))
+        else:
+            stages.append(Stage(name, stage_dir(config, name), supervised_stage(name), root=checkpoint_root(config, name)))
+    return start, stages
 
 
-PIPELINES = {"rlvr": rlvr_stages}  # by ``Config.kind``; the loader validates the kind
+def final_model_dir(config: Config) -> str:
+    """The run's final model: the output of its last training stage."""
+    return stage_dir(config, [name for name in config.stage_names() if name != "eval"][-1])
 
 
 def is_finished(config: Config) -> bool:
     """Every stage done (reads markers only); raises ``stages.RerunError`` when one was made from other inputs."""
-    start, stages = PIPELINES[config.kind](config)
+    start, stages = stages_of(config)
     return is_done(config, stages, start)
 
 
 def run_pipeline(config: Config, tracker: RunTracker, last: str | None = None) -> str:
     """Run the stages of ``config.kind`` in order, up to and including the one named ``last`` (default: all);
-    returns the output of the last one run."""
-    start, stages = PIPELINES[config.kind](config)
+    returns the output of the last one run. A ``pipeline`` run gives each stage its own MLflow run, nested
+    under ``tracker``'s (``stage_tracker``)."""
+    start, stages = stages_of(config)
     names = [stage.name for stage in stages]
-    return run_stages(config, stages[: names.index(last) + 1] if last else stages, tracker, start)
+    chosen = stages[: names.index(last) + 1] if last else stages
+    for stage, action in plan(config, chosen, start):
+        print(f"stage {stage.name}: {ACTIONS[action]}", flush=True)
+    nested = stage_tracker(config, tracker) if config.kind == "pipeline" else None
+    return run_stages(config, chosen, tracker, start, nested)
+
+
+ACTIONS = {"skip": "done, skipped", "run": "runs (or resumes from its newest checkpoint)",
+           "extend": "continues to more steps", "replace": "changed since it ran: runs again"}
+
+
+def stage_tracker(config: Config, parent: RunTracker):
+    """``(stage, key) -> RunTracker``: the MLflow run of a pipeline stage, nested under ``parent``; the same
+    one when the stage resumes (``run.json`` maps each stage key to its run), a new one when its key changed."""
+    record_uri = store.join(config.run.resolved_dir, RUN_RECORD)
+
+    def tracker_for(stage: Stage, key: str) -> RunTracker:
+        record = store.read_json(record_uri) or {}
+        runs = record.get("stage_runs", {})
+        if key in runs:
+            return RunTracker(parent.uri, runs[key])
+        tags = {"mlflow.parentRunId": parent.run_id, "rollflow.stage": stage.name, "rollflow.stage_key": key,
+                **lineage_tags(config, *load_rows(config))}
+        child = RunTracker.create(parent.uri, config.tracking.experiment, f"{config.run.name}.{stage.name}",
+                                  flat_params(config), dump_config(config), tags=tags)
+        store.write_json(record_uri, {**record, "stage_runs": {**runs, key: child.run_id}})
+        return child
+
+    return tracker_for
 
 
 def open_tracking(config: Config) -> RunTracker:
@@ -140,12 +202,15 @@ def publish_model(config: Config, tracker: RunTracker, folder: str, artifact_pat
 
 
 def publish_final_model(config: Config, tracker: RunTracker) -> int | None:
-    return publish_model(config, tracker, final_dir(config), "final_model")
+    return publish_model(config, tracker, final_model_dir(config), "final_model")
 
 
 def summary(config: Config) -> dict:
-    state = store.read_json(store.join(final_dir(config), "state.json")) or {}
-    return {"final_dir": final_dir(config), "heldout_accuracy": state.get("heldout_accuracy", {}),
+    final = final_model_dir(config)
+    state = store.read_json(store.join(final, "state.json")) or {}
+    if "eval" in config.stage_names():
+        state = {**state, **(store.read_json(store.join(stage_dir(config, "eval"), "state.json")) or {})}
+    return {"final_dir": final, "heldout_accuracy": state.get("heldout_accuracy", {}), "heldout": state.get("heldout", {}),
             "mlflow_run_id": state.get("mlflow_run_id"), "already_finished": False}
 
 

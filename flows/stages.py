@@ -90,16 +90,33 @@ class Stage:
     run: Callable[[Config, str | None, Any], str]
     steps: int | None = None
     """For a stage that continues from its own checkpoints (RL): the step its marker must reach."""
+    root: str | None = None
+    """Where the stage keeps its checkpoints (``<root>/checkpoints``), if it has any."""
 
 
 def data_fingerprint(config: Config, stage: str = "rlvr") -> str:
     """What the data ``stage`` trains on hashes to: the RL rows, or the stage's own rows (``sft.data``, …)."""
-    section = getattr(config, stage, None) if stage in ("sft", "dpo", "distill") else None
-    if section is None or section.data.source == "rl":
-        return dataset_fingerprint(*load_rows(config))
     from flows.supervised import stage_rows
 
-    return dataset_fingerprint(*stage_rows(config, stage))
+    if stage == "base_model":  # its tokenizer is trained on the text of every stage
+        own = [stage_rows(config, name) for name in supervised_stages(config) if _own_data(config, name)]
+        rows = load_rows(config)
+        return dataset_fingerprint(*rows, *[split for splits in own for split in splits]) if own else dataset_fingerprint(*rows)
+    if stage in SUPERVISED and _own_data(config, stage):
+        return dataset_fingerprint(*stage_rows(config, stage))
+    return dataset_fingerprint(*load_rows(config))
+
+
+SUPERVISED = ("sft", "dpo", "distill")
+
+
+def supervised_stages(config: Config) -> list[str]:
+    return [name for name in config.stage_names() if name in SUPERVISED]
+
+
+def _own_data(config: Config, stage: str) -> bool:
+    """Whether supervised ``stage`` trains on rows of its own rather than the RL rows."""
+    return getattr(config, stage).data.source != "rl"
 
 
 def input_key(uri: str | None) -> str:
@@ -122,18 +139,21 @@ def _key(config: Config, name: str, upstream: str, data: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-Action = Literal["run", "skip", "extend"]
+Action = Literal["run", "skip", "extend", "replace"]
+STAGE_KEY = "stage_key.json"  # in ``<root>/checkpoints``: the key of the stage its checkpoints belong to
 
 
 def plan(config: Config, stages: list[Stage], start: str | None = None) -> list[tuple[Stage, Action]]:
     """Each stage with what running the pipeline does with it: ``skip`` (done with this key), ``run`` (no
-    marker) or ``extend`` (fewer steps than asked); ``start`` is the first stage's input. Reads markers
-    only: no Ray, no Prefect."""
+    marker), ``extend`` (fewer steps than asked) or, in a ``pipeline`` run, ``replace`` (done with another
+    key: its config, data or input changed); ``start`` is the first stage's input. Reads markers only: no
+    Ray, no Prefect."""
     upstream, planned = input_key(start), []
     for stage in stages:
         key = _key(config, stage.name, upstream, data_fingerprint(config, stage.name))
         marker = store.read_json(store.join(stage.out, store.MANIFEST))
-        action = _action(stage, key, marker)
+        changed = marker is not None and marker.get("key", key) != key
+        action = "replace" if changed and config.kind == "pipeline" else _action(stage, key, marker)
         planned.append((stage, action))
         upstream = marker.get("key", stage.out) if action == "skip" else key
     return planned
@@ -157,15 +177,35 @@ def is_done(config: Config, stages: list[Stage], start: str | None = None) -> bo
     return all(action == "skip" for _, action in plan(config, stages, start))
 
 
-def run_stages(config: Config, stages: list[Stage], tracker, start: str | None = None) -> str:
-    """Run ``stages`` in order from ``start``, skipping done ones; returns the last one's output."""
+def run_stages(config: Config, stages: list[Stage], tracker, start: str | None = None,
+               stage_tracker: Callable[[Stage, str], Any] | None = None) -> str:
+    """Run ``stages`` in order from ``start``, skipping done ones; returns the last one's output. Each stage
+    logs to ``stage_tracker(stage, key)`` when given (a pipeline's nested runs), else to ``tracker``."""
     uri = start
     for stage, action in plan(config, stages, start):
-        if action == "extend":  # a half-rewritten output must never look done
+        if action == "skip":
+            uri = stage.out
+            continue
+        if action in ("extend", "replace"):  # a half-rewritten output must never look done
             fs, path = store.filesystem(store.join(stage.out, store.MANIFEST))
             fs.rm(path)
-        uri = stage.out if action == "skip" else stage.run(config, uri, tracker)
+        key = stage_key(config, stage.name, uri)
+        if stage.root is not None:
+            claim_checkpoints(stage.root, key)
+        uri = stage.run(config, uri, stage_tracker(stage, key) if stage_tracker else tracker)
     return uri
+
+
+def claim_checkpoints(root: str, key: str) -> None:
+    """Make ``<root>/checkpoints`` hold only checkpoints of the stage with ``key``: those made with another
+    key (the stage's config, data or input changed since) are deleted, so a resume never mixes two runs."""
+    uri = store.join(root, "checkpoints", STAGE_KEY)
+    found = store.read_json(uri)
+    if found is not None and found["key"] != key:
+        fs, path = store.filesystem(store.join(root, "checkpoints"))
+        fs.rm(path, recursive=True)
+    if found is None or found["key"] != key:
+        store.write_json(uri, {"key": key})
 
 
 def run_record(config: Config, **fields) -> dict:
@@ -211,6 +251,8 @@ def config_changes(old: dict, new: BaseModel, prefix: str = "") -> dict[str, tup
 
 def _refusal(key: str, old: Any, new: Any, config: Config) -> str | None:
     """None for a change ``SAFE_CHANGES`` allows, else why it is refused ("" when it is simply not safe)."""
+    if config.kind == "pipeline" and key != "kind":
+        return None  # the changed stages and those after them run again (``plan``)
     if key not in SAFE_CHANGES:
         return ""
     if key != "train.steps":

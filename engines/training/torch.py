@@ -30,7 +30,7 @@ from engines.training.lora import (AdapterUpdate, adapter_checksum, adapter_tens
 from engines.training.logprobs import (batched_logprobs, batched_values, packed_vocab_logprobs, padded_vocab_logprobs,
                                       token_outputs, token_values)
 from engines.training.precision import MasterWeights, needs_master_weights
-from engines.training.updates import UpdateSpec, run_updates
+from engines.training.updates import UpdateSpec, combine, run_updates
 from engines.types import Rollouts, TrainBatch, build_train_batch
 from engines.weight_sync import (Bucket, SharedWeights, SharedWeightWriter, node_id, pack_buckets, tensors_checksum,
                                  weights_checksum)
@@ -220,6 +220,22 @@ class TorchTrainEngine:
             totals = {k.replace("train/", "critic/", 1): v for k, v in totals.items()}
             totals["perf/critic_compute_s"] = totals.pop("perf/train_compute_s")
         return totals
+
+    @torch.no_grad()
+    def evaluate(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
+        """``loss_fn``'s loss (``loss``) and metrics over ``batch`` without a gradient or an optimizer step, each
+        micro-batch weighted by its share of the batch (``loss_fn.micro_weight``): held-out figures. Every rank
+        of a sharded engine computes every micro-batch, so their collectives stay in step."""
+        self._export_done()
+        self.model.eval()
+        batch = batch.to(self.device)
+        outputs = frozenset(getattr(loss_fn, "outputs", frozenset()))
+        entries, weights = [], []
+        for micro in batch.micro_batches(self.micro_batch_size):
+            loss, metrics = loss_fn(**self._forward(micro, entropy_grad=False, outputs=outputs), batch=micro)
+            entries.append({**metrics, "loss": float(loss)})
+            weights.append(loss_fn.micro_weight(micro, batch))
+        return combine(entries, weights)
 
     def _step_kwargs(self) -> dict:
         """How ``engines.training.updates.optimizer_step`` steps this engine's optimizer."""

@@ -38,7 +38,7 @@ def _run(tmp_path, name: str, model_dir: str, monkeypatch, *overrides: str) -> t
     """Run 2 SFT steps and 2 RL steps; returns each rollout replica's driver calls, engines.json, the
     SFT trainer's GPUs and the final model's tensors."""
     import flows.rlvr as rlvr
-    import flows.sft as sft
+    import flows.supervised as sft
     from engines.actors import describe, stop_engine
     from flows.pipeline import run_flow
 

@@ -14,8 +14,10 @@ from prefect.tasks import Task
 
 import tasks
 
-NEVER_RETRIED = {"train", "sft_train", "checkpoint", "restore", "save_model", "compute_advantages"}
+NEVER_RETRIED = {"train", "supervised_train", "checkpoint", "restore", "save_model", "compute_advantages",
+                 "encode_rows", "score_reference", "score_teacher"}  # (scoring writes a cache: computed once)
 MAY_RETRY = {"generate_and_score", "evaluate", "join_rounds", "rollout_samples",  # pure: seeded sampling, deterministic rewards
+             "supervised_eval",  # no gradient
              "sync_weights", "set_memory_phase"}  # idempotent: the same weights and version again (checked by
                                                   # checksum); offload/sleep and reload/wake of what already moved do nothing
 

@@ -1,0 +1,204 @@
+"""The supervised stages: SFT, DPO and offline distillation, one recipe.
+
+- **SFT**: next-token cross-entropy on assistant (answer) tokens only, each turn's end-of-turn token
+  included; the mean runs over the loss tokens of the whole optimizer step. Each micro-batch's sequences
+  are packed without padding (``train.packing``).
+- **DPO** (Rafailov et al. 2023, and the losses of ``engines.algorithms.preference``): the reference's
+  summed log-probs of every chosen and rejected answer are computed once and cached, keyed by the data,
+  the reference model and the tokenization; then pairs train with ``dpo.loss``.
+- **Offline distillation** (Hinton et al. 2015; GKD's divergences, Agarwal et al. 2024): the teacher scores
+  the data once; the cache keeps its top-k tokens per answer position with their full-vocabulary log-probs
+  (the rest as one tail bucket); the student trains on ``distill.divergence`` mixed with cross-entropy.
+
+Every step: the step's rows (a seeded order, one epoch after another) → a batch built on a Ray worker →
+one optimizer step → metrics; held-out metrics every ``eval_every`` steps and after the last; a checkpoint
+(model, optimizer, LR schedule, RNG, data position; manifest last) every ``checkpoint_every`` steps. A killed
+stage resumes from its newest checkpoint and ends with the weights of an uninterrupted one.
+
+Launch: ``rollflow run configs/sft/tiny_chat.yaml`` (kind sft), ``configs/dpo/tiny.yaml``,
+``configs/distill/offline_tiny.yaml``; ``rollflow run configs/quickstart.yaml`` runs SFT as RL's warm start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import ray
+from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
+
+from configs.schema import Config
+from engines import checkpoint_store as store
+from engines.actors import start_engine, stop_engine
+from engines.algorithms.objective import DistillObjective, DPOObjective, SFTObjective
+from engines.data.sampler import take
+from engines.models import load_tokenizer
+from engines.training.torch import OptimSpec
+from flows.progress import StageProgress
+from flows.setup import checkpoint_root, load_rows, reserve_placement, stage_dir, start_train_engine
+from flows.tracking import RunTracker
+from tasks.checkpoint import checkpoint, restore, save_model
+from tasks.supervised import encode_rows, score_reference, score_teacher, supervised_eval, supervised_train
+
+
+def stage_rows(config: Config, stage: str) -> tuple[list[dict], list[dict]]:
+    """``(train_rows, heldout_rows)`` of supervised stage ``stage`` (``<stage>.data``): the RL rows as
+    ``{"prompt", "completion"}`` text, rows read from files, or the built-in synthetic task."""
+    data = getattr(config, stage).data
+    if data.source == "rl":
+        return tuple([{"prompt": row["prompt"], "completion": row["answer"]} for row in rows]
+                     for rows in load_rows(config))
+    if data.source == "files":
+        from engines.data.chat import load_records
+
+        return load_records(data.train_path), load_records(data.heldout_path)
+    from engines.data import synthetic
+
+    make = synthetic.preference_task if stage == "dpo" else synthetic.sft_task
+    seed = config.run.seed
+    return make(data.num_train, seed=seed), make(data.num_heldout, seed=seed + 1_000_003)
+
+
+def build_objective(config: Config, stage: str):
+    """The loss of ``stage``: ``SFTObjective``, ``DPOObjective`` or ``DistillObjective``."""
+    if stage == "sft":
+        return SFTObjective()
+    if stage == "dpo":
+        dpo = config.dpo
+        return DPOObjective(loss=dpo.loss, beta=dpo.beta, options=dict(dpo.options), sft_weight=dpo.sft_weight)
+    distill = config.distill
+    return DistillObjective(divergence=distill.divergence, options=dict(distill.options), weight=distill.weight,
+                            temperature=distill.teacher.temperature, temperature_squared=distill.temperature_squared,
+                            top_k=1)  # the cache always holds the top-k form (k = vocabulary for top_k 0)
+
+
+def model_digest(path: str) -> str:
+    """What a model is, for cache keys: the key in its folder's marker (a stage's output), else the sha256 of
+    its weight files (a local folder), else its URI (a hub id)."""
+    marker = store.read_json(store.join(path, store.MANIFEST)) or {}
+    if "key" in marker:
+        return marker["key"]
+    fs, root = store.filesystem(path)
+    if not fs.isdir(root):
+        return path
+    digest = hashlib.sha256()
+    for file in sorted(fs.glob(f"{root}/*.safetensors")) + sorted(fs.glob(f"{root}/*.bin")):
+        with fs.open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_manifest(config: Config, stage: str, model_path: str, scorer: str, rows_fingerprint: str) -> dict:
+    """What a reference or teacher cache was made from: its key hashes the data, the scoring model, the
+    tokenizer and the tokenization settings (and the teacher's k and temperature)."""
+    section = getattr(config, stage)
+    manifest = {"stage": stage, "scorer": scorer, "scorer_digest": model_digest(scorer),
+                "tokenizer": model_digest(model_path), "data": rows_fingerprint,
+                "max_length": section.data.max_length, "dtype": config.model.dtype}
+    if stage == "distill":
+        teacher = section.teacher
+        manifest.update(top_k=teacher.top_k, temperature=teacher.temperature)
+    manifest["key"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    return manifest
+
+
+@flow(name="supervised-stage", persist_result=False)
+def supervised_flow(config: Config, stage: str, model_path: str, tracker: RunTracker, key: str) -> str:
+    """Train ``model_path`` with stage ``stage`` (sft, dpo or distill); returns its output folder
+    (``stage_dir``), whose marker carries ``key``. Resumes from the stage's newest checkpoint."""
+    from flows.lineage import dataset_fingerprint
+
+    section, logger = getattr(config, stage), get_run_logger()
+    train_rows, heldout_rows = stage_rows(config, stage)
+    root, out = checkpoint_root(config, stage), stage_dir(config, stage)
+    tokenizer = load_tokenizer(model_path)
+    pad = tokenizer.pad_token_id
+    kind = "dpo" if stage == "dpo" else "sft" if stage == "sft" else "distill"
+    encoded = {}
+    for split, rows in (("train", train_rows), ("heldout", heldout_rows)):
+        ref, kept, rejected = encode_rows(kind if kind == "dpo" else "sft", model_path, ray.put(rows), section.data.max_length)
+        if kept == 0:
+            raise ValueError(f"{stage}.data: no {split} row is usable ({rejected.summary()}); see engines/data/chat.py "
+                             "for the row forms")
+        if rejected.total:
+            logger.warning("%s: %s of %d %s rows (%s)", stage, rejected.summary(), len(rows), split,
+                           "rows over data.max_length or with nothing to train on")
+            tracker.client.set_tag(tracker.run_id, f"rollflow.{stage}.{split}_rejected", rejected.summary()[:5000])
+        encoded[split] = (ref, kept)
+
+    placement = reserve_placement(config, {"trainer", *({"reference"} if stage != "sft" else set())})
+    latest = store.latest_checkpoint(root)
+    micro_rows = section.micro_batch_size * (2 if stage == "dpo" else 1)
+    options = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
+    if config.train.gradient_checkpointing:
+        options["gradient_checkpointing"] = True
+    if config.model.lora is not None:
+        options["lora"] = config.model.lora.model_dump()
+    temperature = config.distill.teacher.temperature if stage == "distill" else 1.0
+    trainer = start_train_engine(config, "trainer", placement, run_name=config.run.name, reuse=False,
+                                 model_path=model_path, optim=OptimSpec(**section.optim.model_dump(), total_steps=section.steps),
+                                 dtype=config.model.dtype, seed=config.run.seed, torch_threads=config.run.torch_threads,
+                                 micro_batch_size=micro_rows, temperature=temperature, packing=config.train.packing,
+                                 share_prompts=False, **options)
+    caches = {split: None for split in encoded}
+    scorer = None
+    if stage != "sft":
+        scorer_path = (config.dpo.reference or model_path) if stage == "dpo" else config.distill.teacher.path
+        if stage == "distill":
+            from engines.models import check_vocabularies
+
+            check_vocabularies(model_path, scorer_path)
+        scorer = start_engine("teacher/torch" if stage == "distill" else "reference/torch", run_name=config.run.name,
+                              role="teacher" if stage == "distill" else "reference", model_path=scorer_path,
+                              dtype=config.model.dtype, torch_threads=config.run.torch_threads, micro_batch_size=micro_rows,
+                              **placement.options("reference"))
+        for split, rows in (("train", train_rows), ("heldout", heldout_rows)):
+            manifest = cache_manifest(config, stage, model_path, scorer_path, dataset_fingerprint(rows))
+            uri = store.join(config.run.resolved_dir, "cache", f"{stage}-{split}-{manifest['key'][:16]}")
+            if stage == "dpo":
+                caches[split] = score_reference(scorer, encoded[split][0], pad, uri, manifest)
+            else:
+                teacher = config.distill.teacher
+                caches[split] = score_teacher(scorer, encoded[split][0], pad, teacher.top_k, teacher.temperature, uri, manifest)
+        ray.wait(list(caches.values()), num_returns=len(caches))  # scored (or read) before the scorer stops
+        stop_engine(scorer)
+
+    state = {"step": 0, "position": 0}
+    if latest is not None:
+        state = restore({"policy": trainer}, latest[1])
+    objective = build_objective(config, stage)
+    train_ref, num_train = encoded["train"]
+    heldout_ref, num_heldout = encoded["heldout"]
+    heldout: dict[str, float] = {}
+    progress = StageProgress(stage, section.steps, start=state["step"], keys=(f"{stage}/loss", f"{stage}/eval/loss"))
+    with tracker.sent_on_error():
+        for step in range(state["step"] + 1, section.steps + 1):
+            indices, position = take(num_train, state["position"], section.batch_size, seed=config.run.seed + 1)
+            metrics = supervised_train(trainer, kind, train_ref, caches["train"], indices, pad, objective)
+            metrics = {_stage_metric(stage, k): v for k, v in metrics.items()}
+            if step == section.steps or (section.eval_every and step % section.eval_every == 0):
+                heldout = supervised_eval(trainer, kind, heldout_ref, caches["heldout"], num_heldout, pad, objective)
+                heldout = {_stage_metric(stage, k, "eval"): v for k, v in heldout.items()}
+                metrics.update(heldout)
+            tracker.log_step(stage, step, metrics, flush=False)
+            progress.update(step, metrics)
+            state = {"step": step, "position": position}
+            if step % section.checkpoint_every == 0 and step < section.steps:
+                tracker.flush()  # before the checkpoint claims these steps
+                checkpoint({"policy": trainer}, root, step, {**state, "mlflow_run_id": tracker.run_id}, config.checkpoint.keep)
+    progress.close()
+    tracker.flush()
+    save_model(trainer, out, section.steps, {**state, "stage": stage, "mlflow_run_id": tracker.run_id,
+                                             "heldout": heldout}, key=key)
+    stop_engine(trainer)
+    placement.release()
+    return out
+
+
+def _stage_metric(stage: str, name: str, split: str = "") -> str:
+    """``<stage>/[<split>/]<name>`` without repeating the stage: ``sft/nll``, ``dpo/rewards/chosen``,
+    ``dpo/eval/rewards/accuracies``, ``distill/eval/ce``; the engine's ``train/…`` keep their last part."""
+    name = name.removeprefix(f"{stage}/").removeprefix("train/")
+    return "/".join(part for part in (stage, split, name) if part)
