@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import ray
 from prefect import flow, get_run_logger
 from prefect.utilities.annotations import quote
 
@@ -118,7 +117,7 @@ def supervised_flow(config: Config, stage: str, model_path: str, tracker: RunTra
     kind = "dpo" if stage == "dpo" else "sft" if stage == "sft" else "distill"
     encoded = {}
     for split, rows in (("train", train_rows), ("heldout", heldout_rows)):
-        ref, kept, rejected = encode_rows(kind if kind == "dpo" else "sft", model_path, ray.put(rows), section.data.max_length)
+        ref, kept, rejected = encode_rows(kind if kind == "dpo" else "sft", model_path, quote(rows), section.data.max_length)
         if kept == 0:
             raise ValueError(f"{stage}.data: no {split} row is usable ({rejected.summary()}); see engines/data/chat.py "
                              "for the row forms")
@@ -162,8 +161,7 @@ def supervised_flow(config: Config, stage: str, model_path: str, tracker: RunTra
             else:
                 teacher = config.distill.teacher
                 caches[split] = score_teacher(scorer, encoded[split][0], pad, teacher.top_k, teacher.temperature, uri, manifest)
-        ray.wait(list(caches.values()), num_returns=len(caches))  # scored (or read) before the scorer stops
-        stop_engine(scorer)
+        stop_engine(scorer)  # the score tasks return once their caches exist
 
     state = {"step": 0, "position": 0}
     if latest is not None:

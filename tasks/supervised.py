@@ -31,10 +31,10 @@ _encode_remote = ray.remote(max_retries=1, num_returns=2)(_encode)
 
 
 @task(name="encode_rows", retries=0, **TASK_DEFAULTS)
-def encode_rows(kind: str, tokenizer_path: str, rows_ref, max_length: int):
-    """Tokenize the rows on a Ray worker (``engines.data.chat``); returns ``(encoded_ref, kept, rejected)``:
+def encode_rows(kind: str, tokenizer_path: str, rows: list[dict], max_length: int):
+    """Tokenize ``rows`` on a Ray worker (``engines.data.chat``); returns ``(encoded_ref, kept, rejected)``:
     the encoded rows stay in the object store, ``rejected`` reports the rows left out."""
-    encoded_ref, summary_ref = _encode_remote.remote(kind, tokenizer_path, rows_ref, max_length)
+    encoded_ref, summary_ref = _encode_remote.remote(kind, tokenizer_path, ray.put(rows), max_length)
     kept, rejected = ray.get(summary_ref)
     return encoded_ref, kept, rejected
 
@@ -50,18 +50,15 @@ def _score_reference(reference, encoded: list, pad_token_id: int) -> list[tuple[
 
 
 def _score_teacher(teacher, encoded: list, pad_token_id: int, top_k: int, temperature: float) -> list[dict]:
-    """The teacher's log-probs at each row's answer tokens: ``{"ids", "logprobs"}`` [n, k] (top-k, with their
-    full-vocabulary log-probs) or ``{"logprobs"}`` [n, V] (``top_k`` 0)."""
+    """The teacher's top-k tokens at each row's answer tokens with their full-vocabulary log-probs:
+    ``{"ids", "logprobs"}`` [n, k] (``top_k`` 0: k = the whole vocabulary)."""
+    k = top_k or ray.get(teacher.vocab_size.remote())
     rows = []
     for start in range(0, len(encoded), CACHE_ROWS):
         batch = stage_batch("sft", encoded, list(range(start, min(start + CACHE_ROWS, len(encoded)))), pad_token_id)
-        if top_k:
-            scored = ray.get(teacher.topk_logprobs.remote(batch, top_k, temperature))
-            rows += [{"ids": ids, "logprobs": lps}
-                     for ids, lps in zip(answer_rows(scored["ids"], batch), answer_rows(scored["logprobs"], batch))]
-        else:
-            full = ray.get(teacher.vocab_logprobs.remote(batch, temperature))
-            rows += [{"logprobs": lps} for lps in answer_rows(full, batch)]
+        scored = ray.get(teacher.topk_logprobs.remote(batch, k, temperature))
+        rows += [{"ids": ids, "logprobs": lps}
+                 for ids, lps in zip(answer_rows(scored["ids"], batch), answer_rows(scored["logprobs"], batch))]
     return rows
 
 
@@ -88,14 +85,22 @@ _cached_remote = ray.remote(max_retries=0)(_cached)
 def score_reference(reference, encoded_ref, pad_token_id: int, uri: str, manifest: dict):
     """The reference's summed log-probs of every pair, from the cache at ``uri`` or computed and cached
     there; returns a ref to them."""
-    return _cached_remote.remote(uri, manifest, _score_reference, reference, encoded_ref, pad_token_id)
+    return _ready(_cached_remote.remote(uri, manifest, _score_reference, reference, encoded_ref, pad_token_id))
 
 
 @task(name="score_teacher", retries=0, **TASK_DEFAULTS)
 def score_teacher(teacher, encoded_ref, pad_token_id: int, top_k: int, temperature: float, uri: str, manifest: dict):
     """The teacher's top-k log-probs at every answer token, from the cache at ``uri`` or computed and cached
     there; returns a ref to them."""
-    return _cached_remote.remote(uri, manifest, _score_teacher, teacher, encoded_ref, pad_token_id, top_k, temperature)
+    return _ready(_cached_remote.remote(uri, manifest, _score_teacher, teacher, encoded_ref, pad_token_id, top_k,
+                                        temperature))
+
+
+def _ready(ref):
+    """``ref`` once its value exists, without fetching it here: the scorer may then stop. (A failed scoring
+    raises where the first batch uses it.)"""
+    ray.wait([ref], fetch_local=False)
+    return ref
 
 
 _batch_remote = ray.remote(max_retries=1)(stage_batch)
