@@ -5,7 +5,8 @@ A duplicate name is an error at import time; an unknown name lists the valid one
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+import inspect
+from typing import Callable, Generic, Iterable, TypeVar
 
 T = TypeVar("T")
 
@@ -34,6 +35,19 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def keyword_options(self, name: str) -> set[str]:
+        """The keyword-only parameters with a default of the entry ``name``: the options a caller may set."""
+        params = inspect.signature(self.get(name)).parameters.values()
+        return {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+
+    def check_options(self, name: str, options: Iterable[str]) -> None:
+        """Raise naming the entry and the options it takes when ``options`` holds a name it does not take."""
+        allowed = self.keyword_options(name)
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            takes = ", ".join(sorted(allowed)) or "no options"
+            raise ValueError(f"{self.kind} {name!r} does not take {', '.join(unknown)}; it takes: {takes}")
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries

@@ -21,7 +21,6 @@ Lengths are clamped to at least 1 wherever a loss divides by them.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import torch
@@ -54,7 +53,7 @@ def compute(
     chosen reward is strictly higher), ``logps/chosen``, ``logps/rejected`` (the policy's summed
     log-probs) and ``loss``. ``options`` are the loss's own (see ``option_names``); any other is an error.
     """
-    check_options(name, options)
+    PREFERENCE_LOSSES.check_options(name, options)
     if beta <= 0:
         raise ValueError(f"preference loss {name!r}: beta must be > 0, got {beta}")
     tensors = {"policy_chosen_logps": policy_chosen_logps, "policy_rejected_logps": policy_rejected_logps,
@@ -94,18 +93,8 @@ def names() -> list[str]:
 
 
 def option_names(name: str) -> set[str]:
-    """Options ``compute(name, ...)`` accepts besides ``beta``: the loss's own keyword options."""
-    params = inspect.signature(PREFERENCE_LOSSES.get(name)).parameters.values()
-    return {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
-
-
-def check_options(name: str, options: dict[str, Any]) -> None:
-    """Raise naming the loss and its options when ``options`` holds one the loss does not take."""
-    allowed = option_names(name)
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        takes = ", ".join(sorted(allowed)) or "no options"
-        raise ValueError(f"preference loss {name!r} does not take {', '.join(unknown)}; it takes: {takes}")
+    """Options ``compute(name, ...)`` accepts: the loss's own keyword options."""
+    return PREFERENCE_LOSSES.keyword_options(name)
 
 
 def _check_label_smoothing(name: str, label_smoothing: float, *, upper: float, inclusive: bool) -> None:
