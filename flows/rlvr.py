@@ -67,6 +67,7 @@ class RLEngines:
     stop_token_ids: tuple[int, ...]
     placement: Reservation | None = None
     colocated: tuple[str, ...] = ()  # training roles sharing the rollout engines' GPUs: they take turns
+    teachers: dict = field(default_factory=dict)  # on-policy distillation: teacher name -> its scoring engine
 
     @property
     def swapped(self) -> list:
@@ -90,20 +91,23 @@ class RLEngines:
         return {"policy": self.trainer, **({"critic": self.critic} if self.critic is not None else {})}
 
     def stop(self) -> None:
-        for handle in (*self.rollouts, self.trainer, self.reference, self.critic, self.judge, *self.reward_workers):
+        for handle in (*self.rollouts, self.trainer, self.reference, self.critic, self.judge, *self.reward_workers,
+                       *self.teachers.values()):
             if handle is not None:
                 stop_engine(handle)
         if self.placement is not None:
             self.placement.release()
 
 
-def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: list) -> RLEngines:
+def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: list,
+                     stage: str = "rlvr") -> RLEngines:
     """Rollout engine, trainer, reward workers (warming up the rewards of ``domains``, ``load_domains``,
     as they start), a judge engine (when a domain scores with ``judge``), a frozen reference (when
-    ``kl.coef > 0``) and a critic (when ``advantage: gae``), as named Ray actors; live ones of this run
+    ``kl.coef > 0``), a critic (when ``advantage: gae``) and, for ``stage`` ``onpolicy_distill``, a teacher
+    per ``onpolicy_distill.teachers`` entry, as named Ray actors; live ones of this run
     with the same settings are reattached (the trainer and critic only when ``restoring`` from a
     checkpoint, which resets them). Each is placed by ``placement`` (``reserve_placement``)."""
-    from engines.models import load_tokenizer, stop_token_ids
+    from engines.models import check_vocabularies, load_tokenizer, stop_token_ids
 
     # options passed only when set: backends without them (vLLM) and the fingerprints of live actors stay as they were
     attn = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
@@ -115,10 +119,15 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     temperature = config.rollout.temperature
     judge_path = judge_model_path(domains, model_path)
     # with LoRA the trainer's frozen base is the KL reference (lora_reference): no reference engine
+    teacher_routes = config.onpolicy_distill.teachers if stage == "onpolicy_distill" else []
     optional = {"reference": config.algorithm.kl.coef > 0 and config.model.lora is None,
                 "critic": config.algorithm.advantage == "gae",
                 "judge": judge_path is not None}
-    placement = reserve_placement(config, {"rollout", "trainer", "reward", *(role for role, on in optional.items() if on)})
+    check_teacher_placement(config, len(teacher_routes), optional["reference"])
+    for route in teacher_routes:  # before any engine starts: a teacher must score the student's token ids
+        check_vocabularies(model_path, route.path)
+    placed = {"rollout", "trainer", "reward", *(role for role, on in optional.items() if on)}
+    placement = reserve_placement(config, placed | ({"reference"} if teacher_routes else set()))  # teachers: like the reference
     where = placement.options
     optim = OptimSpec(**config.train.optim.model_dump(), total_steps=optimizer_steps(config, "policy"))
     roles = rollout_roles((config.placement or PlacementConfig()).rollout.replicas)
@@ -147,13 +156,29 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
                                    max_concurrency=2 * config.reward.concurrency, rewards=domain_rewards(domains),
                                    **where("reward", i))
                       for i in range(config.reward.workers)]
+    # A teacher scores the sampled tokens at temperature 1 (``rollout_logprobs``), whatever the sampler's.
+    teachers = {route.name: start_engine("teacher/torch", role=f"teacher-{route.name}", run_name=config.run.name,
+                                         model_path=route.path, dtype=config.model.dtype,
+                                         torch_threads=config.run.torch_threads,
+                                         micro_batch_size=config.train.micro_batch_size, **attn, **where("reference"))
+                for route in teacher_routes}
     judge = None
     if judge_path is not None:  # the LLM-as-judge reward's own inference engine
         judge = start_engine("rollout/hf", role="judge", run_name=config.run.name, model_path=judge_path,
                              dtype=config.model.dtype, torch_threads=config.run.torch_threads, **attn, **where("judge"))
     tokenizer = load_tokenizer(model_path)
     return RLEngines(rollouts, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
-                     stop_token_ids(tokenizer, config.rollout.stop), placement, colocated_with_rollout(config))
+                     stop_token_ids(tokenizer, config.rollout.stop), placement, colocated_with_rollout(config), teachers)
+
+
+def check_teacher_placement(config: Config, teachers: int, reference: bool) -> None:
+    """Teachers take the reference's slot of ``placement`` (its GPUs, colocation): with GPUs asked for it,
+    that slot holds one scorer, so one teacher and no reference engine."""
+    section = config.placement
+    if teachers and section is not None and section.reference.gpus > 0 and teachers + reference > 1:
+        raise ValueError(f"placement.reference.gpus: the reference slot holds one engine, but {teachers} teacher(s)"
+                         f"{' and the KL reference' if reference else ''} would share it; use one teacher with "
+                         "algorithm.kl.coef=0, or set placement.reference.gpus=0 (CPU)")
 
 
 def lora_reference(config: Config) -> bool:
@@ -203,7 +228,8 @@ def record_engines(run_dir: str, engines: RLEngines) -> None:
     """``<run.dir>/engines.json``: actor id, pid and node of each engine of the current attempt."""
     roles = {**dict(zip(rollout_roles(len(engines.rollouts)), engines.rollouts)), "trainer": engines.trainer, "reference": engines.reference,
              "critic": engines.critic, "judge": engines.judge, "reward": engines.reward_worker,
-             **{f"reward-{i}": w for i, w in enumerate(engines.reward_workers[1:], start=1)}}
+             **{f"reward-{i}": w for i, w in enumerate(engines.reward_workers[1:], start=1)},
+             **{f"teacher-{name}": handle for name, handle in engines.teachers.items()}}
     store.write_json(store.join(run_dir, "engines.json"),
                      {role: describe(handle) for role, handle in roles.items() if handle is not None})
 
@@ -372,7 +398,8 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             build_advantage_spec(cfg, engines.pad_token_id), reference=engines.reference,
             trainer=engines.trainer if alg.old_logprobs == "trainer" else None, critic=engines.critic,
             kl_coef=state.kl_coef, moments=state.reward_moments,
-            base_reference=engines.trainer if lora_reference(cfg) else None)
+            base_reference=engines.trainer if lora_reference(cfg) else None,
+            **(teacher_scoring(cfg, engines, scored) if engines.teachers else {}))
     metrics.update(advantage_metrics)
     if engines.critic is not None:
         with timed(metrics, "time/train_critic"):
@@ -398,6 +425,27 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     state.step, state.domain_positions, state.reward_moments = step, scored.positions, moments
     state.reward_failures = reward_failures.state()
     return scored, metrics
+
+
+def teacher_scoring(cfg: Config, engines: RLEngines, scored: ScoredBatch) -> dict:
+    """``compute_advantages``' on-policy distillation keywords: each teacher with the rows the ``route_key``
+    column sends it (``onpolicy.route_rows``), λ, whether the reward advantage is left out, and the row
+    groups of ``teacher_kl/<domain>`` (several domains) and ``teacher_kl/<teacher>`` (several teachers)."""
+    from engines.algorithms.onpolicy import route_rows
+
+    section = cfg.onpolicy_distill
+    if section.route_key not in scored.columns:
+        raise ValueError(f"onpolicy_distill.route_key {section.route_key!r} is no column of the data; columns: "
+                         f"{', '.join(sorted(scored.columns))}")
+    routes = route_rows(scored.columns[section.route_key], [(t.name, t.values) for t in section.teachers],
+                        section.route_key)
+    domains = scored.columns["domain"]
+    groups = {name: [i for i, d in enumerate(domains) if d == name] for name in dict.fromkeys(domains)} \
+        if len(cfg.data.domains) > 1 else {}
+    groups.update(routes if len(routes) > 1 else {})
+    return {"teachers": [(engines.teachers[name], rows) for name, rows in routes.items()],
+            "distill": {"teacher_coef": section.coef, "distill_only": not section.rewards,
+                        "teacher_kl_groups": groups}}
 
 
 def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[float, dict[str, float], list[dict]]:
@@ -432,7 +480,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     domains = load_domains(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     latest = store.latest_checkpoint(run_dir)
-    engines = start_rl_engines(cfg, model_path, restoring=latest is not None, domains=domains)
+    engines = start_rl_engines(cfg, model_path, restoring=latest is not None, domains=domains, stage=stage)
     record_engines(run_dir, engines)
 
     state = RLState(mlflow_run_id=mlflow_run_id, kl_coef=cfg.algorithm.kl.coef)
