@@ -7,7 +7,6 @@ model in the registry can be traced back to the exact config, data and code that
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -26,13 +25,9 @@ def config_hash(config: Config) -> str:
 
 def dataset_fingerprint(*splits: list[dict]) -> str:
     """sha256 over the rows of every split, in order, as canonical JSON."""
-    digest = hashlib.sha256()
-    for rows in splits:
-        for row in rows:
-            digest.update(json.dumps(row, sort_keys=True, default=str).encode())
-            digest.update(b"\n")
-        digest.update(b"\x00")
-    return digest.hexdigest()
+    from engines.data.chat import records_fingerprint
+
+    return records_fingerprint(*splits)
 
 
 def git_commit() -> str:
