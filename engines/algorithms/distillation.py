@@ -103,11 +103,12 @@ def topk_buckets(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append each side's tail bucket ``log(1 - sum_k exp(logprobs))``: returns teacher and student ``[B, L, k+1]``.
 
-    The tail is computed as ``log(-expm1(logsumexp(top-k)))``, and is exactly ``-inf`` when the top-k
-    hold all the mass up to the rounding of their sum (a tail at most ``k · eps`` of the dtype; pass
-    float64 for a finer tail). So forward KL over the buckets is the full-vocabulary forward KL whenever
-    the k ids cover the teacher's support, and every divergence equals its full-vocabulary value at
-    k = V. The student's tail is differentiable in its top-k log-probs (gradient 0 where it is ``-inf``).
+    The tail is computed as ``log(-expm1(logsumexp(top-k)))`` in float32 or wider (the outputs' dtype),
+    and is exactly ``-inf`` when the top-k hold all the mass up to the rounding of their sum (a tail at
+    most ``k · eps`` of that dtype; pass float64 for a finer tail). So forward KL over the buckets is the
+    full-vocabulary forward KL whenever the k ids cover the teacher's support, and every divergence
+    equals its full-vocabulary value at k = V. The student's tail is differentiable in its top-k
+    log-probs (gradient 0 where it is ``-inf``).
     """
     return _with_tail(teacher_topk_logprobs.detach()), _with_tail(student_topk_logprobs)
 
@@ -122,7 +123,9 @@ def full_to_topk(teacher_vocab_logprobs: torch.Tensor, k: int) -> tuple[torch.Te
 
 
 def _with_tail(topk_logprobs: torch.Tensor) -> torch.Tensor:
-    """``[..., k]`` → ``[..., k+1]`` with the tail bucket ``log(1 - sum exp)`` last."""
+    """``[..., k]`` → ``[..., k+1]`` with the tail bucket ``log(1 - sum exp)`` last, in float32 or wider (a
+    half-precision sum could not tell a tail of a few percent from rounding)."""
+    topk_logprobs = topk_logprobs.to(torch.promote_types(topk_logprobs.dtype, torch.float32))
     k = topk_logprobs.shape[-1]
     finfo = torch.finfo(topk_logprobs.dtype)
     log_covered = torch.logsumexp(topk_logprobs, dim=-1, keepdim=True).clamp(max=0.0)  # [..., 1] log sum_k

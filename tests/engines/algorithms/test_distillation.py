@@ -286,3 +286,12 @@ def test_shape_errors():
 def test_duplicate_registration_is_an_error():
     with pytest.raises(ValueError, match="distillation divergence 'js' is already registered"):
         distillation.register("js")(lambda **_: None)
+
+
+def test_topk_tail_of_half_precision_inputs_is_computed_in_float32():
+    # 8 ids of 0.11875 each hold 0.95: the tail is 0.05. bf16's eps 2^-7 makes k * eps = 0.0625 > 0.05, so a
+    # bf16 tail would read as empty (-inf); in float32 it is log 0.05 up to bf16's rounding of the inputs.
+    topk = torch.full((1, 1, 8), math.log(0.11875), dtype=torch.bfloat16)
+    teacher_b, student_b = distillation.topk_buckets(teacher_topk_logprobs=topk, student_topk_logprobs=topk)
+    assert teacher_b.dtype == student_b.dtype == torch.float32
+    assert teacher_b[..., -1].exp().item() == pytest.approx(0.05, abs=0.01)
