@@ -2,10 +2,12 @@
 
     rollflow deploy                                   # work pool + every deployment in prefect.yaml
     prefect deployment run rlvr-preset/tiny --param overrides='["run.name=exp1"]'
+    prefect deployment run rollflow-preset/dpo --param overrides='["run.name=dpo1", "dpo.beta=0.2"]'
     prefect deployment run rollflow-run/form          # the full typed config, a form in the UI
 
-``rlvr_preset`` takes a preset name or path plus ``key=value`` overrides, validated when the run
-starts (a bad key fails the flow run with the one-line config error). ``run_flow``
+``rlvr_preset`` and ``run_preset`` (any kind: SFT, DPO, distillation, pipelines) take a preset name or
+path plus ``key=value`` overrides, validated when the run starts (a bad key fails the flow run with the
+one-line config error). ``run_flow``
 (``flows/pipeline.py``) takes the typed ``Config``, so the Prefect UI shows every field as a form.
 Either resumes a crashed run from its newest checkpoint when retried (``prefect flow-run retry``),
 since the run directory, not Prefect's cache, holds the progress.
@@ -34,23 +36,17 @@ def rlvr_preset(preset: str = "tiny", overrides: list[str] | None = None) -> dic
     return run_flow(load_config(preset, list(overrides or [])))
 
 
-@flow(name="sft-preset", persist_result=False)
-def sft_preset(preset: str = "quickstart", overrides: list[str] | None = None) -> str:
-    """Only the SFT stage of a preset with an ``sft:`` section; returns the tuned model's folder
-    (``<run.dir>/sft_model``), registered like a final model."""
-    from flows.pipeline import open_tracking, publish_model, run_pipeline
-    from flows.setup import ensure_ray
-    from flows.stages import check_rerun
-
+@flow(name="rollflow-preset", persist_result=False)
+def run_preset(preset: str, overrides: list[str] | None = None, dated: bool = False) -> dict:
+    """Any preset by name or path, of any ``kind`` (sft, dpo, distill, onpolicy_distill, pipeline, rlvr), plus
+    ``key=value`` overrides: ``rollflow run PRESET OVERRIDES…`` as a flow. Rerun or retried, it resumes.
+    ``dated`` (scheduled deployments): ``run.name`` gets the run's scheduled date (``<name>-YYYYMMDD``), so
+    each scheduled run is a run of its own rather than a rerun of the last one."""
     _quiet_defaults()
     config = load_config(preset, list(overrides or []))
-    if config.sft is None:
-        raise ValueError(f"preset {preset!r} has no sft: section to run")
-    check_rerun(config)
-    ensure_ray()
-    tracker = open_tracking(config)
-    out = run_pipeline(config, tracker, last="sft")  # the stages up to SFT, each done once
-    publish_model(config, tracker, out, artifact_path="sft_model",
-                  name=f"{config.tracking.registered_model_name or config.run.name}-sft")
-    tracker.finish()
-    return out
+    if dated:
+        from prefect.runtime import flow_run
+
+        day = flow_run.scheduled_start_time.strftime("%Y%m%d")
+        config = load_config(preset, [*(overrides or []), f"run.name={config.run.name}-{day}"])
+    return run_flow(config)

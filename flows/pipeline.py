@@ -10,6 +10,7 @@ run. A rerun whose config differs from the first attempt's (``run.json``) in a k
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -23,8 +24,8 @@ from flows.lineage import config_hash, lineage_tags
 from flows.evaluate import evaluate_flow
 from flows.setup import (check_prompt_lengths, checkpoint_root, ensure_ray, load_rows, stage_dir,
                          start_prefect_server)
-from flows.stages import (RUN_RECORD, Stage, check_rerun, is_done, plan, run_record, run_stages, stage_key,
-                          supervised_stages)
+from flows.stages import (RUN_RECORD, Stage, check_rerun, data_fingerprint, input_key, is_done, plan, run_record,
+                          run_stages, stage_key, supervised_stages)
 from flows.supervised import stage_rows, supervised_flow
 from flows.tracking import RunTracker, redact, tracking_uri
 
@@ -113,38 +114,56 @@ def is_finished(config: Config) -> bool:
 def run_pipeline(config: Config, tracker: RunTracker, last: str | None = None) -> str:
     """Run the stages of ``config.kind`` in order, up to and including the one named ``last`` (default: all);
     returns the output of the last one run. A ``pipeline`` run gives each stage its own MLflow run, nested
-    under ``tracker``'s (``stage_tracker``)."""
+    under ``tracker``'s (``nested_stage``)."""
     start, stages = stages_of(config)
     names = [stage.name for stage in stages]
     chosen = stages[: names.index(last) + 1] if last else stages
     for stage, action in plan(config, chosen, start):
         print(f"stage {stage.name}: {ACTIONS[action]}", flush=True)
-    nested = stage_tracker(config, tracker) if config.kind == "pipeline" else None
-    return run_stages(config, chosen, tracker, start, nested)
+    if config.kind == "pipeline":
+        chosen = [nested_stage(stage) for stage in chosen]
+    return run_stages(config, chosen, tracker, start)
 
 
 ACTIONS = {"skip": "done, skipped", "run": "runs (or resumes from its newest checkpoint)",
            "extend": "continues to more steps", "replace": "changed since it ran: runs again"}
 
 
-def stage_tracker(config: Config, parent: RunTracker):
-    """``(stage, key) -> RunTracker``: the MLflow run of a pipeline stage, nested under ``parent``; the same
-    one when the stage resumes (``run.json`` maps each stage key to its run), a new one when its key changed."""
+def nested_stage(stage: Stage) -> Stage:
+    """``stage`` run in an MLflow run of its own, nested under the pipeline's (``stage_run``), tagged with its
+    input model; its output model is registered as ``<registered name>-<stage>`` with that lineage."""
+    def run(config: Config, input_uri: str | None, parent: RunTracker) -> str:
+        child = stage_run(config, parent, stage.name, stage_key(config, stage.name, input_uri), input_uri)
+        child.client.update_run(child.run_id, status="RUNNING")  # again, after a killed attempt
+        try:
+            out = stage.run(config, input_uri, child)
+            if stage.name not in ("base_model", "eval"):
+                name = f"{config.tracking.registered_model_name or config.run.name}-{stage.name}"
+                publish_model(config, child, out, f"{stage.name}_model", name=name)
+        except BaseException:
+            child.finish("FAILED")
+            raise
+        child.finish()
+        return out
+
+    return dataclasses.replace(stage, run=run)
+
+
+def stage_run(config: Config, parent: RunTracker, stage: str, key: str, input_uri: str | None) -> RunTracker:
+    """The MLflow run of a pipeline stage, nested under ``parent``: the same one when the stage resumes
+    (``run.json`` maps each stage key to its run), a new one when the key changed (config, data or input)."""
     record_uri = store.join(config.run.resolved_dir, RUN_RECORD)
-
-    def tracker_for(stage: Stage, key: str) -> RunTracker:
-        record = store.read_json(record_uri) or {}
-        runs = record.get("stage_runs", {})
-        if key in runs:
-            return RunTracker(parent.uri, runs[key])
-        tags = {"mlflow.parentRunId": parent.run_id, "rollflow.stage": stage.name, "rollflow.stage_key": key,
-                **lineage_tags(config, *load_rows(config))}
-        child = RunTracker.create(parent.uri, config.tracking.experiment, f"{config.run.name}.{stage.name}",
-                                  flat_params(config), dump_config(config), tags=tags)
-        store.write_json(record_uri, {**record, "stage_runs": {**runs, key: child.run_id}})
-        return child
-
-    return tracker_for
+    record = store.read_json(record_uri) or {}
+    runs = record.get("stage_runs", {})
+    if key in runs:
+        return RunTracker(parent.uri, runs[key])
+    tags = {**lineage_tags(config, *load_rows(config)), "mlflow.parentRunId": parent.run_id,
+            "rollflow.stage": stage, "rollflow.stage_key": key, "rollflow.input_model": input_uri or "",
+            "rollflow.input_key": input_key(input_uri), "rollflow.dataset_fingerprint": data_fingerprint(config, stage)}
+    child = RunTracker.create(parent.uri, config.tracking.experiment, f"{config.run.name}.{stage}",
+                              flat_params(config), dump_config(config), tags=tags)
+    store.write_json(record_uri, {**record, "stage_runs": {**runs, key: child.run_id}})
+    return child
 
 
 def open_tracking(config: Config) -> RunTracker:

@@ -177,10 +177,8 @@ def is_done(config: Config, stages: list[Stage], start: str | None = None) -> bo
     return all(action == "skip" for _, action in plan(config, stages, start))
 
 
-def run_stages(config: Config, stages: list[Stage], tracker, start: str | None = None,
-               stage_tracker: Callable[[Stage, str], Any] | None = None) -> str:
-    """Run ``stages`` in order from ``start``, skipping done ones; returns the last one's output. Each stage
-    logs to ``stage_tracker(stage, key)`` when given (a pipeline's nested runs), else to ``tracker``."""
+def run_stages(config: Config, stages: list[Stage], tracker, start: str | None = None) -> str:
+    """Run ``stages`` in order from ``start``, skipping done ones; returns the last one's output."""
     uri = start
     for stage, action in plan(config, stages, start):
         if action == "skip":
@@ -192,7 +190,7 @@ def run_stages(config: Config, stages: list[Stage], tracker, start: str | None =
         key = stage_key(config, stage.name, uri)
         if stage.root is not None:
             claim_checkpoints(stage.root, key)
-        uri = stage.run(config, uri, stage_tracker(stage, key) if stage_tracker else tracker)
+        uri = stage.run(config, uri, tracker)
     return uri
 
 

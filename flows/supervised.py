@@ -11,7 +11,8 @@
   (the rest as one tail bucket); the student trains on ``distill.divergence`` mixed with cross-entropy.
 
 Every step: the step's rows (a seeded order, one epoch after another) → a batch built on a Ray worker →
-one optimizer step → metrics; held-out metrics every ``eval_every`` steps and after the last; a checkpoint
+one optimizer step → metrics; held-out metrics before the first step and every ``eval_every`` steps (with
+``eval_every`` 0: after the last only), and always after the last; a checkpoint
 (model, optimizer, LR schedule, RNG, data position; manifest last) every ``checkpoint_every`` steps. A killed
 stage resumes from its newest checkpoint and ends with the weights of an uninterrupted one.
 
@@ -172,6 +173,10 @@ def supervised_flow(config: Config, stage: str, model_path: str, tracker: RunTra
     heldout: dict[str, float] = {}
     progress = StageProgress(stage, section.steps, start=state["step"], keys=(f"{stage}/loss", f"{stage}/eval/loss"))
     with tracker.sent_on_error():
+        if state["step"] == 0 and section.eval_every:  # the start, to measure the stage against
+            heldout = supervised_eval(trainer, kind, heldout_ref, caches["heldout"], num_heldout, pad, objective)
+            heldout = {_stage_metric(stage, k, "eval"): v for k, v in heldout.items()}
+            tracker.log_step(f"{stage}_eval", 0, heldout)
         for step in range(state["step"] + 1, section.steps + 1):
             indices, position = take(num_train, state["position"], section.batch_size, seed=config.run.seed + 1)
             metrics = supervised_train(trainer, kind, train_ref, caches["train"], indices, pad, objective)

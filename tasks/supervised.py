@@ -51,8 +51,9 @@ def _score_reference(reference, encoded: list, pad_token_id: int) -> list[tuple[
 
 def _score_teacher(teacher, encoded: list, pad_token_id: int, top_k: int, temperature: float) -> list[dict]:
     """The teacher's top-k tokens at each row's answer tokens with their full-vocabulary log-probs:
-    ``{"ids", "logprobs"}`` [n, k] (``top_k`` 0: k = the whole vocabulary)."""
-    k = top_k or ray.get(teacher.vocab_size.remote())
+    ``{"ids", "logprobs"}`` [n, k] (k at most the vocabulary; ``top_k`` 0: the whole vocabulary)."""
+    tokens = ray.get(teacher.vocab_size.remote())
+    k = min(top_k, tokens) if top_k else tokens  # a top-k over the whole vocabulary is the full distribution
     rows = []
     for start in range(0, len(encoded), CACHE_ROWS):
         batch = stage_batch("sft", encoded, list(range(start, min(start + CACHE_ROWS, len(encoded)))), pad_token_id)

@@ -140,3 +140,38 @@ def test_the_kind_picks_the_stages_and_an_unknown_kind_lists_the_known_ones(tmp_
         load_config(preset)
     assert load_config(preset, ["dpo.steps=3"]).stage_names() == ["dpo"]
     assert load_config(preset, ["dpo.steps=3", "sft.steps=2"]).stage_names() == ["sft", "dpo"]  # a warm start
+
+
+def test_a_pipeline_reruns_a_changed_stage_and_the_ones_after_it(tmp_path):
+    def pipeline(*overrides):
+        return _config(tmp_path, "kind=pipeline", "pipeline.stages=[sft, rlvr]", "sft.steps=5", *overrides)
+
+    calls = []
+    run_stages(pipeline(), _stages(tmp_path, calls), tracker=None)
+    _record(pipeline())
+    changed = pipeline("sft.batch_size=8")
+    assert check_rerun(changed) == ["sft.batch_size: 32 -> 8"]  # a pipeline accepts any change ...
+    # ... and its plan replaces the changed stage and the one after it (its input changed)
+    assert [action for _, action in plan(changed, _stages(tmp_path, calls))] == ["skip", "replace", "replace"]
+    run_stages(changed, _stages(tmp_path, calls), tracker=None)
+    assert [name for name, *_ in calls[3:]] == ["sft", "rlvr"]
+    assert calls[3][2] is None  # the old marker was removed before the stage ran again
+    assert [action for _, action in plan(changed, _stages(tmp_path, calls))] == ["skip", "skip", "skip"]
+    # a change of the RL stage's config leaves SFT done
+    assert [action for _, action in plan(pipeline("sft.batch_size=8", "rollout.temperature=0.5"),
+                                         _stages(tmp_path, calls))] == ["skip", "skip", "replace"]
+
+
+def test_checkpoints_of_another_stage_key_are_deleted_before_the_stage_resumes(tmp_path):
+    from flows.stages import claim_checkpoints
+
+    root = str(tmp_path / "stage")
+    store.write_json(store.join(store.step_dir(root, 2), "state.json"), {"step": 2})
+    store.write_manifest(store.step_dir(root, 2), 2, ["state.json"])
+    claim_checkpoints(root, "key-a")  # the first claim keeps what is there (a run from before keys)
+    assert store.latest_checkpoint(root)[0] == 2
+    claim_checkpoints(root, "key-a")
+    assert store.latest_checkpoint(root)[0] == 2
+    claim_checkpoints(root, "key-b")  # made with other inputs: gone, the stage starts over
+    assert store.latest_checkpoint(root) is None
+    assert store.read_json(store.join(root, "checkpoints", "stage_key.json")) == {"key": "key-b"}

@@ -44,7 +44,7 @@ def test_sft_logs_accuracy_and_a_killed_stage_resumes_to_the_same_weights(tmp_pa
     accuracy = _metrics(tmp_path / "whole", whole["mlflow_run_id"], "sft/token_accuracy")
     heldout = _metrics(tmp_path / "whole", whole["mlflow_run_id"], "sft/eval/token_accuracy")
     assert sorted(accuracy) == [1, 2, 3, 4] and all(0 <= v <= 1 for v in accuracy.values())
-    assert sorted(heldout) == [2, 4]
+    assert sorted(heldout) == [0, 2, 4]  # the start, then every eval_every
     assert whole["heldout"]["sft/eval/loss"] > 0
 
     calls = {"n": 0}
