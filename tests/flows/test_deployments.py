@@ -75,7 +75,8 @@ def worker(prefect_api, tracking, tmp_path_factory):
 def test_deployments_are_registered_with_typed_parameters_and_a_schedule(worker):
     url, *_ = worker
     deployments = {d["name"]: d for d in _api(url, "/deployments/filter", {})}
-    assert set(deployments) == {"tiny", "quickstart-nightly", "form", "sft"}
+    assert set(deployments) == {"tiny", "quickstart-nightly", "form", "sft", "dpo", "distill-offline",
+                                "distill-onpolicy", "pipeline"}
     assert deployments["tiny"]["entrypoint"] == "flows/deployments.py:rlvr_preset"
     assert deployments["tiny"]["work_pool_name"] == "rollflow-process"
     # The typed config is the flow parameter of "form": the UI renders its fields from this schema.
@@ -85,6 +86,30 @@ def test_deployments_are_registered_with_typed_parameters_and_a_schedule(worker)
     assert schema["definitions"]["RolloutConfig"]["properties"]["group_size"]["type"] == "integer"
     [schedule] = deployments["quickstart-nightly"]["schedules"]
     assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["active"] is False  # ships paused
+    for name, cron in (("distill-offline", "0 2 * * *"), ("distill-onpolicy", "0 4 * * 0")):
+        [schedule] = deployments[name]["schedules"]
+        assert schedule["schedule"]["cron"] == cron and schedule["active"] is False
+        # one run at a time: a run scheduled while one is going is cancelled, not queued
+        assert deployments[name]["global_concurrency_limit"]["limit"] == 1
+        assert deployments[name]["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+
+
+def test_dpo_deployment_run_completes_and_registers_each_stage(worker, tracking, tmp_path):
+    _, env, _, _ = worker
+    tracking_uri, _ = tracking
+    run_dir = tmp_path / "dpo"
+    params = {"preset": "dpo/tiny", "overrides": [f"run.dir={run_dir}", "run.name=deployed-dpo", "sft.steps=4",
+                                                  "dpo.steps=3", "dpo.data.num_train=32", "dpo.data.num_heldout=8"]}
+    out = _prefect(env, "deployment", "run", "rollflow-preset/dpo", "--params", json.dumps(params), "--watch",
+                   "--watch-interval", "2", "--watch-timeout", "400", timeout=420)
+    assert "Completed" in out, out[-2000:]
+
+    client, run = _mlflow(tracking_uri, "deployed-dpo")
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "dpo/loss")) == [1, 2, 3]
+    assert client.get_metric_history(run.info.run_id, "dpo/eval/rewards/accuracies")
+    [version] = client.search_model_versions("name='deployed-dpo'")
+    assert version.run_id == run.info.run_id and (run_dir / "dpo_model" / "MANIFEST.json").exists()
 
 
 def test_deployment_run_completes_and_registers_the_model(worker, tracking, tmp_path):
