@@ -108,82 +108,35 @@ def cache_manifest(config: Config, stage: str, model_path: str, scorer: str, row
 def supervised_flow(config: Config, stage: str, model_path: str, tracker: RunTracker, key: str) -> str:
     """Train ``model_path`` with stage ``stage`` (sft, dpo or distill); returns its output folder
     (``stage_dir``), whose marker carries ``key``. Resumes from the stage's newest checkpoint."""
-    from flows.lineage import dataset_fingerprint
-
-    section, logger = getattr(config, stage), get_run_logger()
-    train_rows, heldout_rows = stage_rows(config, stage)
+    section = getattr(config, stage)
     root, out = checkpoint_root(config, stage), stage_dir(config, stage)
-    tokenizer = load_tokenizer(model_path)
-    pad = tokenizer.pad_token_id
-    kind = "dpo" if stage == "dpo" else "sft" if stage == "sft" else "distill"
-    encoded = {}
-    for split, rows in (("train", train_rows), ("heldout", heldout_rows)):
-        ref, kept, rejected = encode_rows(kind if kind == "dpo" else "sft", model_path, quote(rows), section.data.max_length)
-        if kept == 0:
-            raise ValueError(f"{stage}.data: no {split} row is usable ({rejected.summary()}); see engines/data/chat.py "
-                             "for the row forms")
-        if rejected.total:
-            logger.warning("%s: %s of %d %s rows (%s)", stage, rejected.summary(), len(rows), split,
-                           "rows over data.max_length or with nothing to train on")
-            tracker.client.set_tag(tracker.run_id, f"rollflow.{stage}.{split}_rejected", rejected.summary()[:5000])
-        encoded[split] = (ref, kept)
-
+    pad = load_tokenizer(model_path).pad_token_id
+    rows = dict(zip(("train", "heldout"), stage_rows(config, stage)))
+    encoded = {split: encode_split(config, stage, model_path, split, split_rows, tracker)
+               for split, split_rows in rows.items()}
     placement = reserve_placement(config, {"trainer", *({"reference"} if stage != "sft" else set())})
+    caches = score_splits(config, stage, model_path, rows, encoded, pad, placement) if stage != "sft" else {}
+    trainer = start_trainer(config, stage, model_path, placement)
     latest = store.latest_checkpoint(root)
-    micro_rows = section.micro_batch_size * (2 if stage == "dpo" else 1)
-    options = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
-    if config.train.gradient_checkpointing:
-        options["gradient_checkpointing"] = True
-    if config.model.lora is not None:
-        options["lora"] = config.model.lora.model_dump()
-    temperature = config.distill.teacher.temperature if stage == "distill" else 1.0
-    trainer = start_train_engine(config, "trainer", placement, run_name=config.run.name, reuse=False,
-                                 model_path=model_path, optim=OptimSpec(**section.optim.model_dump(), total_steps=section.steps),
-                                 dtype=config.model.dtype, seed=config.run.seed, torch_threads=config.run.torch_threads,
-                                 micro_batch_size=micro_rows, temperature=temperature, packing=config.train.packing,
-                                 share_prompts=False, **options)
-    caches = {split: None for split in encoded}
-    scorer = None
-    if stage != "sft":
-        scorer_path = (config.dpo.reference or model_path) if stage == "dpo" else config.distill.teacher.path
-        if stage == "distill":
-            from engines.models import check_vocabularies
-
-            check_vocabularies(model_path, scorer_path)
-        scorer = start_engine("teacher/torch" if stage == "distill" else "reference/torch", run_name=config.run.name,
-                              role="teacher" if stage == "distill" else "reference", model_path=scorer_path,
-                              dtype=config.model.dtype, torch_threads=config.run.torch_threads, micro_batch_size=micro_rows,
-                              **placement.options("reference"))
-        for split, rows in (("train", train_rows), ("heldout", heldout_rows)):
-            manifest = cache_manifest(config, stage, model_path, scorer_path, dataset_fingerprint(rows))
-            uri = store.join(config.run.resolved_dir, "cache", f"{stage}-{split}-{manifest['key'][:16]}")
-            if stage == "dpo":
-                caches[split] = score_reference(scorer, encoded[split][0], pad, uri, manifest)
-            else:
-                teacher = config.distill.teacher
-                caches[split] = score_teacher(scorer, encoded[split][0], pad, teacher.top_k, teacher.temperature, uri, manifest)
-        stop_engine(scorer)  # the score tasks return once their caches exist
-
-    state = {"step": 0, "position": 0}
-    if latest is not None:
-        state = restore({"policy": trainer}, latest[1])
+    state = restore({"policy": trainer}, latest[1]) if latest is not None else {"step": 0, "position": 0}
     objective = build_objective(config, stage)
-    train_ref, num_train = encoded["train"]
-    heldout_ref, num_heldout = encoded["heldout"]
+    (train_ref, num_train), (heldout_ref, num_heldout) = encoded["train"], encoded["heldout"]
+
+    def heldout_metrics() -> dict[str, float]:
+        found = supervised_eval(trainer, stage, heldout_ref, caches.get("heldout"), num_heldout, pad, objective)
+        return {_stage_metric(stage, k, "eval"): v for k, v in found.items()}
+
     heldout: dict[str, float] = {}
     progress = StageProgress(stage, section.steps, start=state["step"], keys=(f"{stage}/loss", f"{stage}/eval/loss"))
     with tracker.sent_on_error():
         if state["step"] == 0 and section.eval_every:  # the start, to measure the stage against
-            heldout = supervised_eval(trainer, kind, heldout_ref, caches["heldout"], num_heldout, pad, objective)
-            heldout = {_stage_metric(stage, k, "eval"): v for k, v in heldout.items()}
-            tracker.log_step(f"{stage}_eval", 0, heldout)
+            tracker.log_step(f"{stage}_eval", 0, heldout_metrics())
         for step in range(state["step"] + 1, section.steps + 1):
             indices, position = take(num_train, state["position"], section.batch_size, seed=config.run.seed + 1)
-            metrics = supervised_train(trainer, kind, train_ref, caches["train"], indices, pad, objective)
+            metrics = supervised_train(trainer, stage, train_ref, caches.get("train"), indices, pad, objective)
             metrics = {_stage_metric(stage, k): v for k, v in metrics.items()}
             if step == section.steps or (section.eval_every and step % section.eval_every == 0):
-                heldout = supervised_eval(trainer, kind, heldout_ref, caches["heldout"], num_heldout, pad, objective)
-                heldout = {_stage_metric(stage, k, "eval"): v for k, v in heldout.items()}
+                heldout = heldout_metrics()
                 metrics.update(heldout)
             tracker.log_step(stage, step, metrics, flush=False)
             progress.update(step, metrics)
@@ -198,6 +151,67 @@ def supervised_flow(config: Config, stage: str, model_path: str, tracker: RunTra
     stop_engine(trainer)
     placement.release()
     return out
+
+
+def encode_split(config: Config, stage: str, model_path: str, split: str, rows: list[dict], tracker: RunTracker):
+    """``(encoded_ref, count)`` of one split of the stage's rows; rows left out are logged and tagged on the
+    MLflow run with their count and an example per reason; none left is an error."""
+    form = "dpo" if stage == "dpo" else "sft"
+    ref, kept, rejected = encode_rows(form, model_path, quote(rows), getattr(config, stage).data.max_length)
+    if kept == 0:
+        raise ValueError(f"{stage}.data: no {split} row is usable ({rejected.summary()}); see engines/data/chat.py "
+                         "for the row forms")
+    if rejected.total:
+        get_run_logger().warning("%s: %s of %d %s rows", stage, rejected.summary(), len(rows), split)
+        tracker.client.set_tag(tracker.run_id, f"rollflow.{stage}.{split}_rejected", rejected.summary()[:5000])
+    return ref, kept
+
+
+def start_trainer(config: Config, stage: str, model_path: str, placement):
+    """The stage's ``train.engine`` (ranks, LoRA and attention options of the config), at the distillation
+    temperature for ``distill``; DPO's micro-batches hold ``micro_batch_size`` pairs."""
+    section = getattr(config, stage)
+    options = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
+    if config.train.gradient_checkpointing:
+        options["gradient_checkpointing"] = True
+    if config.model.lora is not None:
+        options["lora"] = config.model.lora.model_dump()
+    return start_train_engine(
+        config, "trainer", placement, run_name=config.run.name, reuse=False, model_path=model_path,
+        optim=OptimSpec(**section.optim.model_dump(), total_steps=section.steps), dtype=config.model.dtype,
+        seed=config.run.seed, torch_threads=config.run.torch_threads,
+        micro_batch_size=section.micro_batch_size * (2 if stage == "dpo" else 1),
+        temperature=config.distill.teacher.temperature if stage == "distill" else 1.0, packing=config.train.packing,
+        share_prompts=stage == "dpo" and config.train.share_prompts, **options)  # a pair's rows share the prompt
+
+
+def score_splits(config: Config, stage: str, model_path: str, rows: dict, encoded: dict, pad: int, placement) -> dict:
+    """Each split's cache (a ref): the reference's summed log-probs of every pair (``dpo``) or the teacher's
+    top-k at every answer token (``distill``), read from ``<run.dir>/cache/`` or computed once by a scorer
+    engine started for it (after the tokenizers are checked to match, for a teacher)."""
+    from flows.lineage import dataset_fingerprint
+
+    section = getattr(config, stage)
+    path = (section.reference or model_path) if stage == "dpo" else section.teacher.path
+    if stage == "distill":
+        from engines.models import check_vocabularies
+
+        check_vocabularies(model_path, path)
+    scorer = start_engine("teacher/torch" if stage == "distill" else "reference/torch", run_name=config.run.name,
+                          role="teacher" if stage == "distill" else "reference", model_path=path,
+                          dtype=config.model.dtype, torch_threads=config.run.torch_threads,
+                          micro_batch_size=section.micro_batch_size, **placement.options("reference"))
+    caches = {}
+    for split, split_rows in rows.items():
+        manifest = cache_manifest(config, stage, model_path, path, dataset_fingerprint(split_rows))
+        uri = store.join(config.run.resolved_dir, "cache", f"{stage}-{split}-{manifest['key'][:16]}")
+        if stage == "dpo":
+            caches[split] = score_reference(scorer, encoded[split][0], pad, uri, manifest)
+        else:
+            caches[split] = score_teacher(scorer, encoded[split][0], pad, section.teacher.top_k,
+                                          section.teacher.temperature, uri, manifest)
+    stop_engine(scorer)  # the score tasks return once their caches exist
+    return caches
 
 
 def _stage_metric(stage: str, name: str, split: str = "") -> str:

@@ -22,11 +22,11 @@ def _metric(run_dir, run_id: str, name: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, ray_cluster, prefect_server):
-    """The SFT preset (400 steps): its run directory and result."""
+    """The SFT preset, 200 steps: its run directory and result."""
     from flows.pipeline import run_flow
 
     run_dir = tmp_path_factory.mktemp("sft")
-    return run_dir, run_flow(load_config("configs/sft/tiny_chat.yaml", [f"run.dir={run_dir}", *QUIET]))
+    return run_dir, run_flow(load_config("configs/sft/tiny_chat.yaml", [f"run.dir={run_dir}", "sft.steps=200", *QUIET]))
 
 
 def test_sft_reaches_95_percent_assistant_token_accuracy(sft_run):
@@ -47,14 +47,16 @@ def test_dpo_learns_the_preferences_with_every_loss(loss, sft_run, tmp_path):
 
     sft_dir, _ = sft_run
     run_dir = tmp_path / loss
-    # 60 DPO steps from the SFT run's model, which is also the reference
+    # 30 DPO steps from the SFT run's model, which is also the reference
     config = load_config("configs/dpo/tiny.yaml", [
         f"run.dir={run_dir}", f"run.name=dpo-{loss}", "model.source=hf", f"model.path={sft_dir / 'sft_model'}", "sft=null",
-        f"dpo.loss={loss}", "dpo.steps=60", *LOSSES[loss], *QUIET])
+        f"dpo.loss={loss}", "dpo.steps=30", *LOSSES[loss], *QUIET])
     result = run_flow(config)
     accuracy = result["heldout"]["dpo/eval/rewards/accuracies"]
-    start = _metric(run_dir, result["mlflow_run_id"], "dpo/eval/rewards/accuracies")[0]
-    assert start == 0.0  # the policy is its reference: every reward is 0, no pair is ranked yet
+    margin = _metric(run_dir, result["mlflow_run_id"], "dpo/eval/rewards/margins")
+    # the policy starts as its reference: every margin is 0 up to float rounding (the reference engine packs
+    # the pairs differently), so the start ranks pairs by rounding noise only
+    assert abs(margin[0]) < 1e-4 and margin[30] > 0.01, margin
     assert accuracy >= (0.9 if loss == "sigmoid" else 0.8), (loss, accuracy)
 
 
@@ -65,9 +67,9 @@ def test_offline_distillation_cuts_heldout_forward_kl_by_70_percent(sft_run, tmp
     run_dir = tmp_path / "distill"
     config = load_config("configs/distill/offline_tiny.yaml", [
         f"run.dir={run_dir}", f"model.path={sft_dir / 'base_model'}", f"distill.teacher.path={sft_dir / 'sft_model'}",
-        "distill.steps=200", *QUIET])
+        "distill.steps=100", *QUIET])
     result = run_flow(config)
     kl = _metric(run_dir, result["mlflow_run_id"], "distill/eval/loss")  # forward KL, top-16 + tail
-    assert kl[200] <= 0.3 * kl[0], kl
+    assert kl[100] <= 0.3 * kl[0], kl
     agreement = _metric(run_dir, result["mlflow_run_id"], "distill/eval/top1_agreement")
-    assert agreement[200] > agreement[0], agreement
+    assert agreement[100] > agreement[0], agreement
