@@ -97,3 +97,32 @@ def test_two_teachers_routed_by_column(tmp_path, tiny_model_dir, ray_cluster, pr
     trained = load_file(run_dir / "onpolicy_distill_model" / "model.safetensors")
     base = load_file(f"{tiny_model_dir}/model.safetensors")
     assert any(not torch.equal(trained[k], base[k]) for k in base)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_onpolicy_distillation_halves_teacher_kl_and_reaches_teacher_accuracy(tmp_path, ray_cluster, prefect_server):
+    """The preset end to end: a teacher (tiny base + long SFT, held-out accuracy measured by an eval stage)
+    and a student (the same base + short SFT) distilled on its own samples."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.pipeline import run_flow
+
+    teacher_dir, student_dir = tmp_path / "teacher", tmp_path / "student"
+    teacher = run_flow(load_config("configs/distill/onpolicy_tiny.yaml", [
+        "kind=pipeline", "pipeline={stages: [sft, eval]}", "sft.steps=400", "model.source=tiny",
+        "run.name=opd-teacher", f"run.dir={teacher_dir}", "tracking.register_model=false"]))
+    teacher_accuracy = teacher["heldout_accuracy"]["final"]
+    student = run_flow(load_config("configs/distill/onpolicy_tiny.yaml", [
+        f"model.path={teacher_dir}/base_model", f"onpolicy_distill.teachers=[{{name: teacher, path: {teacher_dir}/sft_model}}]",
+        "run.name=opd-student", f"run.dir={student_dir}", "tracking.register_model=false", "tracking.log_model=false"]))
+    accuracy = student["heldout_accuracy"]
+    before, after = accuracy["0"], accuracy[max(accuracy, key=int)]
+    client = MlflowClient(tracking_uri=f"sqlite:///{student_dir}/mlflow.db")
+    kl = metric_history(client, student["mlflow_run_id"], "teacher_kl")
+    first, last = sum(kl[:10]) / 10, sum(kl[-10:]) / 10  # means over the first and last 10 steps
+    print(f"teacher accuracy {teacher_accuracy:.3f}; student {before:.3f} -> {after:.3f}; "
+          f"teacher_kl {first:.4f} -> {last:.4f} (steps 1-10 -> last 10)")
+    assert last <= 0.5 * first, (first, last)
+    assert after >= teacher_accuracy - 0.05, (before, after, teacher_accuracy)
+    assert before < teacher_accuracy - 0.05  # the student starts well below the teacher
