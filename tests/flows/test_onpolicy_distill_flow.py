@@ -61,6 +61,7 @@ def test_teachers_share_the_reference_placement_slot_only_alone():
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a minute of Ray + Prefect; routing and scoring are covered fast above and in test_onpolicy.py
 def test_two_teachers_routed_by_column(tmp_path, tiny_model_dir, ray_cluster, prefect_server):
     from mlflow.tracking import MlflowClient
 

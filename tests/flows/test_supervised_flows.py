@@ -99,6 +99,7 @@ def test_dpo_starts_at_ln2_with_zero_rewards_and_caches_the_reference(tmp_path, 
     assert key(config) != key(config.model_copy(update={"dpo": longer}))
 
 
+@pytest.mark.slow  # the teacher cache path; the divergences and the objective are covered fast elsewhere
 def test_offline_distillation_from_an_identical_teacher_starts_at_zero(tmp_path, ray_cluster, prefect_server):
     from flows.pipeline import run_flow
 
