@@ -88,7 +88,9 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """LoRA (peft) on the policy: only the adapters train, a sync sends the base once and then the adapters,
     checkpoints hold the adapters, the frozen base is the KL reference (no reference model is loaded), and the
-    final model is saved merged and as the adapter (final/adapter/). None = full fine-tuning."""
+    final model is saved merged and as the adapter (final/adapter/). SFT, DPO and distillation stages train
+    adapters too, except an SFT warm start before another kind's main stage (all weights). None = full
+    fine-tuning."""
 
     @model_validator(mode="after")
     def _path_for_hf(self):

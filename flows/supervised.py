@@ -169,12 +169,15 @@ def encode_split(config: Config, stage: str, model_path: str, split: str, rows: 
 
 def start_trainer(config: Config, stage: str, model_path: str, placement):
     """The stage's ``train.engine`` (ranks, LoRA and attention options of the config), at the distillation
-    temperature for ``distill``; DPO's micro-batches hold ``micro_batch_size`` pairs."""
+    temperature for ``distill``; DPO's micro-batches hold ``micro_batch_size`` pairs. ``model.lora`` adapts
+    every stage but a warm start (SFT before the main stage of kind rlvr, dpo, distill, onpolicy_distill),
+    which trains all weights, as a tiny model built from scratch needs."""
     section = getattr(config, stage)
     options = {"attn_implementation": config.model.attn_implementation} if config.model.attn_implementation else {}
     if config.train.gradient_checkpointing:
         options["gradient_checkpointing"] = True
-    if config.model.lora is not None:
+    warm_start = stage == "sft" and config.kind not in ("sft", "pipeline")  # before another kind's main stage
+    if config.model.lora is not None and not warm_start:
         options["lora"] = config.model.lora.model_dump()
     return start_train_engine(
         config, "trainer", placement, run_name=config.run.name, reuse=False, model_path=model_path,
