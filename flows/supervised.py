@@ -90,12 +90,13 @@ def model_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def cache_manifest(config: Config, stage: str, model_path: str, scorer: str, rows_fingerprint: str) -> dict:
+def cache_manifest(config: Config, stage: str, digests: dict[str, str], scorer: str, rows_fingerprint: str) -> dict:
     """What a reference or teacher cache was made from: its key hashes the data, the scoring model, the
-    tokenizer and the tokenization settings (and the teacher's k and temperature)."""
+    tokenizer and the tokenization settings (and the teacher's k and temperature). ``digests``: the
+    ``model_digest`` of the stage's input model (its tokenizer) and of ``scorer``, by path."""
     section = getattr(config, stage)
-    manifest = {"stage": stage, "scorer": scorer, "scorer_digest": model_digest(scorer),
-                "tokenizer": model_digest(model_path), "data": rows_fingerprint,
+    manifest = {"stage": stage, "scorer": scorer, "scorer_digest": digests["scorer"],
+                "tokenizer": digests["model"], "data": rows_fingerprint,
                 "max_length": section.data.max_length, "dtype": config.model.dtype}
     if stage == "distill":
         teacher = section.teacher
@@ -205,8 +206,9 @@ def score_splits(config: Config, stage: str, model_path: str, rows: dict, encode
                           dtype=config.model.dtype, torch_threads=config.run.torch_threads,
                           micro_batch_size=section.micro_batch_size, **placement.options("reference"))
     caches = {}
+    digests = {"model": model_digest(model_path), "scorer": model_digest(path)}  # once: they may read every weight
     for split, split_rows in rows.items():
-        manifest = cache_manifest(config, stage, model_path, path, dataset_fingerprint(split_rows))
+        manifest = cache_manifest(config, stage, digests, path, dataset_fingerprint(split_rows))
         uri = store.join(config.run.resolved_dir, "cache", f"{stage}-{split}-{manifest['key'][:16]}")
         if stage == "dpo":
             caches[split] = score_reference(scorer, encoded[split][0], pad, uri, manifest)

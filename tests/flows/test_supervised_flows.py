@@ -93,7 +93,8 @@ def test_dpo_starts_at_ln2_with_zero_rewards_and_caches_the_reference(tmp_path, 
     manifest = json.loads((caches[1] / "manifest.json").read_text())
     assert manifest["rows"] == 32 and manifest["scorer"] == str(run_dir / "base_model")
     # the key follows the reference, the data and the tokenization, not the loss settings
-    key = lambda cfg: cache_manifest(cfg, "dpo", str(run_dir / "base_model"), str(run_dir / "base_model"), "x")["key"]  # noqa: E731
+    digests = {"model": "m", "scorer": "s"}
+    key = lambda cfg: cache_manifest(cfg, "dpo", digests, str(run_dir / "base_model"), "x")["key"]  # noqa: E731
     assert key(config) == key(config.model_copy(update={"dpo": config.dpo.model_copy(update={"beta": 0.5})}))
     longer = config.dpo.model_copy(update={"data": config.dpo.data.model_copy(update={"max_length": 65})})
     assert key(config) != key(config.model_copy(update={"dpo": longer}))
