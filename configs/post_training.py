@@ -13,10 +13,11 @@ from configs.sections import Section, SFTOptimConfig
 
 
 class StageDataConfig(Section):
-    source: Literal["rl", "files", "synthetic"] = "rl"
+    source: Literal["rl", "files", "synthetic", "env"] = "rl"
     """rl: the run's RL rows (``data:``) as plain ``prompt ++ answer`` text, the RLVR warm start; files: rows
     from train_path / heldout_path (SFT: ``messages`` or ``prompt``/``completion``; DPO: ``prompt``/``chosen``/
-    ``rejected``, TRL's forms); synthetic: the built-in generated task of the stage (engines.data.synthetic)."""
+    ``rejected``, TRL's forms); synthetic: the built-in generated task of the stage (engines.data.synthetic);
+    env: episodes of random valid moves in the agentic: environment, as multi-turn conversations (SFT only)."""
     train_path: str | None = None
     """jsonl, json, parquet or a saved dataset folder (local or s3://) (source: files)."""
     heldout_path: str | None = None
@@ -149,7 +150,7 @@ class OnPolicyDistillConfig(Section):
         return self
 
 
-StageName = Literal["sft", "rlvr", "dpo", "distill", "onpolicy_distill", "eval"]
+StageName = Literal["sft", "rlvr", "dpo", "distill", "onpolicy_distill", "agentic", "eval"]
 
 
 class PipelineConfig(Section):

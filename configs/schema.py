@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from configs.agentic import AgenticConfig
 from configs.checks import (CheckError, backend, check_data_files, check_option_values, check_options,
                             keyword_options)
 from configs.placement import PlacementConfig
@@ -539,10 +540,10 @@ class SyncConfig(Section):
 class Config(Section):
     """A run: its stages (``kind``) and the sections each stage reads."""
 
-    kind: Literal["rlvr", "sft", "dpo", "distill", "onpolicy_distill", "pipeline"] = "rlvr"
+    kind: Literal["rlvr", "sft", "dpo", "distill", "onpolicy_distill", "agentic", "pipeline"] = "rlvr"
     """Which stages run (flows/pipeline.py), after the tiny base model when model.source is tiny: rlvr: SFT
     when sft: is set, then RL; sft: SFT; dpo / distill / onpolicy_distill: SFT when sft: is set, then that
-    stage; pipeline: the stages of pipeline.stages, each its own MLflow run nested under the run's."""
+    stage; agentic: SFT when sft: is set, then agentic RL in the environment of agentic:; pipeline: the stages of pipeline.stages, each its own MLflow run nested under the run's."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig(source="tiny")
     data: DataConfig = DataConfig()
@@ -560,6 +561,8 @@ class Config(Section):
     onpolicy_distill: OnPolicyDistillConfig | None = None
     """On-policy distillation: RL's rollouts and update with the teachers' per-token reverse KL as advantage
     (kind onpolicy_distill); rollout:, train: and algorithm: (its policy loss) apply."""
+    agentic: AgenticConfig | None = None
+    """Agentic RL (kind agentic): the environment, episode limits, rollout runner and StarPO / GiGPO advantage."""
     pipeline: PipelineConfig | None = None
     """The stages of kind pipeline."""
     eval: EvalConfig = EvalConfig()
@@ -581,7 +584,11 @@ class Config(Section):
         if (self.kind == "pipeline") != (self.pipeline is not None):
             raise CheckError(("pipeline",), "pipeline: lists the stages of kind pipeline and only those; "
                              "set kind: pipeline or remove pipeline:")
-        needs = {"sft": self.sft, "dpo": self.dpo, "distill": self.distill, "onpolicy_distill": self.onpolicy_distill}
+        needs = {"sft": self.sft, "dpo": self.dpo, "distill": self.distill, "onpolicy_distill": self.onpolicy_distill,
+                 "agentic": self.agentic}
+        if self.sft is not None and self.sft.data.source == "env" and self.agentic is None:
+            raise CheckError(("sft.data.source",), "sft.data.source 'env' plays random moves in the agentic: "
+                             "environment; add an agentic: section or pick another source")
         for stage in self.stage_names():
             if stage in needs and needs[stage] is None:
                 raise CheckError((stage,), f"stage {stage} needs a {stage}: section (its data, steps and optimizer)")

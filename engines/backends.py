@@ -20,6 +20,7 @@ BACKENDS: dict[str, dict[str, str]] = {
     "reference": {"torch": "engines.training.torch:ReferenceEngine"},
     "teacher": {"torch": "engines.training.teacher:TeacherEngine"},
     "reward": {"worker": "engines.reward_worker:RewardWorker"},
+    "env": {"worker": "engines.agentic.worker:EnvWorker"},
 }
 """Role -> short name -> ``package.module:Class``. A role's short names are what its config key accepts."""
 

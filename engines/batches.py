@@ -34,7 +34,8 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
                     values: torch.Tensor | None = None, kl_coef: float = 0.0,
                     moments: RunningMoments | None = None, teacher_logprobs: torch.Tensor | None = None,
                     teacher_coef: float = 1.0, distill_only: bool = False,
-                    teacher_kl_groups: dict[str, list[int]] | None = None):
+                    teacher_kl_groups: dict[str, list[int]] | None = None,
+                    step_advantages: list[list[float]] | None = None, masked_rows: list[int] = ()):
     """Shape rewards, run the estimator, build the TrainBatch; returns ``(batch, summary, moments)``.
 
     The batch carries ``advantages``, ``returns``, ``old_logprobs`` (the trainer's when given, else the
@@ -45,6 +46,10 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     batch) add ``-teacher_coef · (log q_sampler - log p_teacher)`` per completion token to the estimator's
     shaped advantages, or replace them when ``distill_only`` (``onpolicy.distill_advantages``); the summary
     gains ``teacher_kl`` and ``teacher_kl/<name>`` over the rows of each of ``teacher_kl_groups``.
+
+    Agentic RL: ``step_advantages`` (one value per turn of each row, ``engines.algorithms.agentic``) replace
+    the estimator's, each on its turn's model tokens; ``masked_rows`` (errors, masked truncations, groups
+    StarPO-S filters out) leave the loss.
     """
     batch = build_train_batch(rollouts, spec.pad_token_id)
     width, mask = batch.input_ids.shape[1], batch.loss_mask  # [B, L]
@@ -66,6 +71,14 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     adv, returns = advantages.compute(spec.estimator, token_rewards=token_rewards, loss_mask=mask, group_ids=group_ids,
                                       values=tensors.get("values"), outcome_rewards=shaped, **spec.options)
     adv = shape_advantages(adv, mask, spec.shaping)
+    if step_advantages is not None:
+        from engines.algorithms.agentic import spread_over_turns
+
+        adv = spread_over_turns(step_advantages, batch.turn_index, mask).to(adv.dtype)
+        returns = adv
+    if masked_rows:
+        mask = mask.clone()
+        mask[torch.as_tensor(list(masked_rows), dtype=torch.long)] = 0.0
     if teacher_logprobs is not None:  # after the estimator and its shaping: neither touches the teacher's term
         adv, reverse_kl = onpolicy.distill_advantages(
             student_logprobs=batch.tensors["rollout_logprobs"], teacher_logprobs=teacher_logprobs[:, :width],

@@ -22,6 +22,9 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0  # seeds the sampling generator: same seed + weights + prompts → same completions
+    # one seed per row, each row sampled from its own generator: a row's completion then does not depend
+    # on the other rows of the call (agentic rollouts batch the turns of independent episodes)
+    row_seeds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

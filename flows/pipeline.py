@@ -47,7 +47,15 @@ def build_base_model(config: Config, _input: None, _tracker: RunTracker) -> str:
 def tokenizer_texts(config: Config) -> list[str]:
     """The text a tiny model's tokenizer is trained on: the RL rows, and the rows of each supervised stage
     with data of its own, as the chat format renders them."""
-    texts = [row["prompt"] + row["answer"] for row in load_rows(config)[0]]
+    if config.agentic is not None and "agentic" in config.stage_names():  # the environment's text, not RL rows
+        from engines.agentic.warm_start import random_move_rows
+        from engines.data.synthetic import texts_for_tokenizer
+
+        section = config.agentic
+        texts = texts_for_tokenizer(random_move_rows(section.env, dict(section.env_options), 200, config.run.seed + 17,
+                                                     section.max_turns, section.system_prompt))
+    else:
+        texts = [row["prompt"] + row["answer"] for row in load_rows(config)[0]]
     for stage in supervised_stages(config):
         if getattr(config, stage).data.source != "rl":
             from engines.data.synthetic import texts_for_tokenizer
@@ -71,9 +79,10 @@ def supervised_stage(name: str):
 
 
 def rl_stage(name: str):
-    """The runner of RL stage ``name`` (rlvr, onpolicy_distill): ``flows/rlvr.py``."""
+    """The runner of RL stage ``name`` (rlvr, onpolicy_distill, agentic): ``flows/rlvr.py``."""
     def run(config: Config, model_path: str, tracker: RunTracker) -> str:
-        _check_input(config, model_path)
+        if name != "agentic":  # agentic prompts are the environments' observations, limited by agentic.max_context
+            _check_input(config, model_path)
         rlvr_flow(config, model_path, tracker.uri, tracker.run_id, stage=name)
         return stage_dir(config, name)
     return run
@@ -90,7 +99,7 @@ def stages_of(config: Config) -> tuple[str | None, list[Stage]]:
     start = config.model.path if config.model.source == "hf" else None
     stages = [Stage("base_model", store.join(config.run.resolved_dir, "base_model"), build_base_model)] if start is None else []
     for name in config.stage_names():
-        if name in ("rlvr", "onpolicy_distill"):
+        if name in ("rlvr", "onpolicy_distill", "agentic"):
             stages.append(Stage(name, stage_dir(config, name), rl_stage(name), steps=config.train.steps,
                                 root=checkpoint_root(config, name)))
         elif name == "eval":

@@ -27,6 +27,7 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 
 from configs.placement import PlacementConfig
 from configs.schema import Config
+from flows.agentic import agentic_batch, agentic_eval, start_env_workers
 from flows.setup import (checkpoint_root, domain_rewards, load_domains, reserve_placement, stage_dir,
                          start_train_engine)
 from flows.stages import stage_key
@@ -68,6 +69,7 @@ class RLEngines:
     placement: Reservation | None = None
     colocated: tuple[str, ...] = ()  # training roles sharing the rollout engines' GPUs: they take turns
     teachers: dict = field(default_factory=dict)  # on-policy distillation: teacher name -> its scoring engine
+    env_workers: list = field(default_factory=list)  # agentic RL: the environment workers
 
     @property
     def swapped(self) -> list:
@@ -92,7 +94,7 @@ class RLEngines:
 
     def stop(self) -> None:
         for handle in (*self.rollouts, self.trainer, self.reference, self.critic, self.judge, *self.reward_workers,
-                       *self.teachers.values()):
+                       *self.teachers.values(), *self.env_workers):
             if handle is not None:
                 stop_engine(handle)
         if self.placement is not None:
@@ -167,8 +169,10 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         judge = start_engine("rollout/hf", role="judge", run_name=config.run.name, model_path=judge_path,
                              dtype=config.model.dtype, torch_threads=config.run.torch_threads, **attn, **where("judge"))
     tokenizer = load_tokenizer(model_path)
+    stop_ids = stop_token_ids(tokenizer, config.rollout.stop)
+    env_workers = start_env_workers(config, model_path, stop_ids) if stage == "agentic" else []
     return RLEngines(rollouts, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
-                     stop_token_ids(tokenizer, config.rollout.stop), placement, colocated_with_rollout(config), teachers)
+                     stop_ids, placement, colocated_with_rollout(config), teachers, env_workers)
 
 
 def check_teacher_placement(config: Config, teachers: int, reference: bool) -> None:
@@ -229,7 +233,8 @@ def record_engines(run_dir: str, engines: RLEngines) -> None:
     roles = {**dict(zip(rollout_roles(len(engines.rollouts)), engines.rollouts)), "trainer": engines.trainer, "reference": engines.reference,
              "critic": engines.critic, "judge": engines.judge, "reward": engines.reward_worker,
              **{f"reward-{i}": w for i, w in enumerate(engines.reward_workers[1:], start=1)},
-             **{f"teacher-{name}": handle for name, handle in engines.teachers.items()}}
+             **{f"teacher-{name}": handle for name, handle in engines.teachers.items()},
+             **{f"env-{i}": handle for i, handle in enumerate(engines.env_workers)}}
     store.write_json(store.join(run_dir, "engines.json"),
                      {role: describe(handle) for role, handle in roles.items() if handle is not None})
 
@@ -304,6 +309,8 @@ class ScoredBatch:
     columns: dict[str, list]
     positions: dict[str, int]
     metrics: dict[str, float]
+    agentic: dict | None = None  # agentic RL: step_advantages and masked_rows (compute_advantages)
+    samples: list[dict] | None = None  # agentic RL: the sample episodes' table
 
 
 def score_spec(cfg: Config, domain, engines: RLEngines) -> ScoreSpec:
@@ -389,7 +396,10 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics."""
     alg = cfg.algorithm
     memory = engines.memory_phase("generate")
-    scored = sample_batch(cfg, engines, domains, state, step, reward_failures)
+    if engines.env_workers:
+        scored = agentic_batch(cfg, engines, state, step)
+    else:
+        scored = sample_batch(cfg, engines, domains, state, step, reward_failures)
     memory.update(engines.memory_phase("train"))
     metrics = scored.metrics
     with timed(metrics, "time/advantages"):
@@ -398,7 +408,7 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             build_advantage_spec(cfg, engines.pad_token_id), reference=engines.reference,
             trainer=engines.trainer if alg.old_logprobs == "trainer" else None, critic=engines.critic,
             kl_coef=state.kl_coef, moments=state.reward_moments,
-            base_reference=engines.trainer if lora_reference(cfg) else None,
+            base_reference=engines.trainer if lora_reference(cfg) else None, agentic=scored.agentic,
             **(teacher_scoring(cfg, engines, scored) if engines.teachers else {}))
     metrics.update(advantage_metrics)
     if engines.critic is not None:
@@ -449,7 +459,10 @@ def teacher_scoring(cfg: Config, engines: RLEngines, scored: ScoredBatch) -> dic
 
 
 def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[float, dict[str, float], list[dict]]:
-    """Held-out accuracy over every domain's rows, each domain's own, and sample generations."""
+    """Held-out accuracy over every domain's rows, each domain's own, and sample generations; for agentic RL
+    the greedy success rate over the held-out environment seeds (``flows/agentic.py``)."""
+    if engines.env_workers:
+        return agentic_eval(config, engines)
     sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.eval.temperature,
                               stop_token_ids=engines.stop_token_ids, seed=config.run.seed)
     per_domain, samples, correct, total = {}, [], 0.0, 0
@@ -465,7 +478,9 @@ def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[flo
 
 def eval_metrics(accuracy: float, per_domain: dict[str, float]) -> dict[str, float]:
     metrics = {"eval/heldout_accuracy": accuracy}
-    if list(per_domain) != ["default"]:
+    if any("/" in name for name in per_domain):  # agentic: the per-environment metrics, named already
+        metrics.update(per_domain)
+    elif list(per_domain) != ["default"]:
         metrics.update({f"eval/{name}/accuracy": value for name, value in per_domain.items()})
     return metrics
 
@@ -474,10 +489,11 @@ def eval_metrics(accuracy: float, per_domain: dict[str, float]) -> dict[str, flo
 def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id: str, stage: str = "rlvr") -> dict:
     """RL from ``model_path`` with ``config.algorithm``; returns the final ``RLState`` as JSON (step, data
     position, held-out accuracies, KL coefficient, running reward moments, the checkpoint steps resumed from).
-    ``stage``: ``rlvr``, or ``onpolicy_distill`` (the teachers' per-token advantage, ``onpolicy_distill:``);
+    ``stage``: ``rlvr``, ``onpolicy_distill`` (the teachers' per-token advantage, ``onpolicy_distill:``) or
+    ``agentic`` (episodes of ``agentic.env`` in place of prompts, ``flows/agentic.py``);
     each keeps its checkpoints and output in its own folders (``flows/setup.py``)."""
     cfg, run_dir = config, checkpoint_root(config, stage)
-    domains = load_domains(cfg)
+    domains = [] if stage == "agentic" else load_domains(cfg)
     tracker = RunTracker(tracking_uri, mlflow_run_id)
     latest = store.latest_checkpoint(run_dir)
     engines = start_rl_engines(cfg, model_path, restoring=latest is not None, domains=domains, stage=stage)
@@ -509,7 +525,9 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
                     tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
                 state.heldout_accuracy[str(step)] = accuracy
                 metrics.update(eval_metrics(accuracy, per_domain))
-            if cfg.tracking.sample_every and step % cfg.tracking.sample_every == 0:
+            if scored.samples:
+                tracker.log_samples(f"episodes_step_{step:06d}", scored.samples)
+            elif cfg.tracking.sample_every and step % cfg.tracking.sample_every == 0 and not engines.env_workers:
                 tracker.log_samples(f"rollouts_step_{step:06d}", rollout_samples(
                     engines.reward_worker, scored.rollouts_ref, scored.rewards_ref, quote(scored.prompts),
                     quote(scored.columns), cfg.tracking.num_samples))

@@ -198,7 +198,7 @@ def check_prompt_lengths(config: Config, model_path: str, rows: list[dict]) -> N
 
 
 STAGE_OUTPUTS = {"rlvr": "final", "sft": "sft_model", "dpo": "dpo_model", "distill": "distill_model",
-                 "onpolicy_distill": "onpolicy_distill_model", "eval": "eval"}
+                 "onpolicy_distill": "onpolicy_distill_model", "agentic": "agentic_model", "eval": "eval"}
 """Each stage's output folder under the run directory."""
 
 

@@ -73,6 +73,7 @@ DEPENDS: dict[str, tuple[str, ...]] = {
     "eval": ("eval", "rollout.max_new_tokens", "rollout.stop", "reward", "data", "run.seed"),
 }
 DEPENDS["onpolicy_distill"] = (*DEPENDS["rlvr"], "onpolicy_distill")
+DEPENDS["agentic"] = (*(key for key in DEPENDS["rlvr"] if key not in ("data", "reward")), "agentic")
 
 
 class RerunError(ConfigError):
@@ -102,6 +103,8 @@ def data_fingerprint(config: Config, stage: str = "rlvr") -> str:
         own = [stage_rows(config, name) for name in supervised_stages(config) if _own_data(config, name)]
         rows = load_rows(config)
         return dataset_fingerprint(*rows, *[split for splits in own for split in splits]) if own else dataset_fingerprint(*rows)
+    if stage == "agentic":  # no rows: the environments come from agentic: (in DEPENDS)
+        return dataset_fingerprint([{"env": config.agentic.env}])
     if stage in SUPERVISED and _own_data(config, stage):
         return dataset_fingerprint(*stage_rows(config, stage))
     return dataset_fingerprint(*load_rows(config))

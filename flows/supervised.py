@@ -49,6 +49,13 @@ def stage_rows(config: Config, stage: str) -> tuple[list[dict], list[dict]]:
     if data.source == "rl":
         return tuple([{"prompt": row["prompt"], "completion": row["answer"]} for row in rows]
                      for rows in load_rows(config))
+    if data.source == "env":
+        from engines.agentic.warm_start import random_move_rows
+
+        section, seed = config.agentic, config.run.seed
+        make = lambda n, s: random_move_rows(section.env, dict(section.env_options), n, s,  # noqa: E731
+                                             section.max_turns, section.system_prompt)
+        return make(section.warm_start_episodes, seed + 2), make(data.num_heldout, seed + 3)
     if data.source == "files":
         from engines.data.chat import load_records
 

@@ -249,6 +249,9 @@ class HFInferenceEngine:
         positions = position_ids_from_mask(attention_mask)
         stop_ids = torch.tensor(sampling.stop_token_ids or (self.tokenizer.eos_token_id,), dtype=torch.long, device=device)
         generator = torch.Generator(device=device).manual_seed(sampling.seed)  # seeded on the device it samples on
+        if sampling.row_seeds and len(sampling.row_seeds) != rows:
+            raise ValueError(f"sampling.row_seeds has {len(sampling.row_seeds)} seeds for {rows} prompts")
+        row_generators = [torch.Generator(device=device).manual_seed(s) for s in sampling.row_seeds]
         greedy = sampling.temperature <= 0
 
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -271,7 +274,9 @@ class HFInferenceEngine:
                 token = logits.argmax(-1)
             else:
                 probs = filter_logits(logits, sampling.top_k, sampling.top_p).softmax(-1)
-                token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                token = (torch.multinomial(probs, 1, generator=generator).squeeze(-1) if not row_generators else
+                         torch.cat([torch.multinomial(probs[j], 1, generator=row_generators[row])
+                                    for j, row in enumerate(active.tolist())]))
             response_ids[active, t] = token
             logprobs[active, t] = log_probs.gather(-1, token[:, None]).squeeze(-1)
             lengths[active] += 1

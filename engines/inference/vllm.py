@@ -111,8 +111,11 @@ class VLLMEngine:
         prompt_ids = ([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
                       if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts])
         stop_ids = list(sampling.stop_token_ids or (self.tokenizer.eos_token_id,))
+        if sampling.row_seeds and len(sampling.row_seeds) != len(prompt_ids):
+            raise ValueError(f"sampling.row_seeds has {len(sampling.row_seeds)} seeds for {len(prompt_ids)} prompts")
+        seeds = list(sampling.row_seeds) or [request_seed(sampling.seed, i) for i in range(len(prompt_ids))]
         requests = [VLLMSampling(n=1, max_tokens=sampling.max_new_tokens, temperature=max(sampling.temperature, 0.0),
-                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=request_seed(sampling.seed, i),
+                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=seeds[i],
                                  stop_token_ids=stop_ids, logprobs=0, detokenize=False)
                     for i in range(len(prompt_ids))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], requests, use_tqdm=False,
