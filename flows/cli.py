@@ -3,6 +3,7 @@
     rollflow run configs/quickstart.yaml run.dir=runs/demo run.seed=1
     rollflow validate configs/tiny.yaml rollout.group_size=4
     rollflow env build vllm
+    rollflow rollout Corridor-v0 --policy random --episodes 3 --dump episodes.jsonl
 """
 
 from __future__ import annotations
@@ -191,6 +192,66 @@ def env_build(name: str = typer.Argument(..., help="the engine env to build: vll
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     typer.echo(str(folder / "bin" / "python"))
+
+
+@app.command("rollout")
+def rollout(env_id: str = typer.Argument(..., help="environment id, e.g. Corridor-v0 (engines.environments)"),
+            policy: str = typer.Option("random", help="random, scripted, human or hf:PATH (a local HF model)"),
+            episodes: int = typer.Option(3, min=1, help="episodes to run, one after another"),
+            seed: int = typer.Option(0, help="environment seed of the first episode (then seed+1, …)"),
+            option: list[str] = typer.Option([], "--option", "-o", help="environment option key=value (YAML value)"),
+            max_turns: int = typer.Option(8, min=1), max_tokens: int = typer.Option(8, min=1, help="tokens per turn"),
+            max_context: int = typer.Option(1024, min=2, help="tokens of a whole trajectory"),
+            temperature: float = typer.Option(1.0, min=0.0, help="sampling temperature (hf: policies)"),
+            tokenizer: str = typer.Option("", help="tokenizer folder for text policies; default: one trained on the env"),
+            system_prompt: bool = typer.Option(False, help="the env's instructions as a system message"),
+            dump: str = typer.Option("", help="write the episodes to this jsonl file"),
+            replay: str = typer.Option("", help="replay a jsonl dump (its actions, fresh envs) and report differences"),
+            color: bool = typer.Option(True, help="model tokens in green; --no-color: between ⟦ ⟧")) -> None:
+    """Run episodes in the terminal, without Ray or Prefect, showing the model's and the environment's tokens."""
+    import yaml
+
+    from engines import environments
+    from engines.agentic import local
+    from engines.agentic.rollout import RolloutSettings
+    from engines.models import load_tokenizer
+
+    options = {}
+    for item in option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise _config_error(ValueError(f"--option {item!r}: expected key=value"))
+        options[key] = yaml.safe_load(value)
+    try:
+        environments.make(env_id, **options).close()
+    except (KeyError, TypeError, ValueError, ImportError) as exc:
+        raise _config_error(exc) from None
+    model_path = policy[3:] if policy.startswith("hf:") else tokenizer
+    tok = load_tokenizer(model_path) if model_path else local.debug_tokenizer(env_id, options)
+    settings = RolloutSettings(max_turns=max_turns, max_tokens_per_turn=max_tokens, max_context=max_context,
+                               temperature=temperature, stop_token_ids=(tok.eos_token_id,))
+    if replay:
+        replayed, differences = local.replay(local.load(replay), tok, settings, options, system_prompt)
+        for episode in replayed:
+            typer.echo(local.render(episode, tok, color))
+        typer.echo(f"replayed {len(replayed)} episode(s): " + ("identical" if not differences else
+                                                                f"{len(differences)} difference(s)"))
+        for line in differences:
+            typer.echo(f"  {line}")
+        raise typer.Exit(1 if differences else 0)
+    try:
+        chosen = local.build_policy(policy, tok, settings)
+    except ValueError as exc:
+        raise _config_error(exc) from None
+    done = local.run_local(env_id, options, chosen, tok, settings, episodes, seed, system_prompt)
+    for episode in done:
+        typer.echo(local.render(episode, tok, color))
+    successes = sum(e.success for e in done)
+    typer.echo(f"{len(done)} episode(s): success {successes}/{len(done)}, mean return "
+               f"{sum(e.episode_return for e in done) / len(done):.3f}")
+    if dump:
+        local.dump(done, dump)
+        typer.echo(f"wrote {dump}")
 
 
 def main() -> None:  # python -m flows.cli
