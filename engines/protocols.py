@@ -130,10 +130,17 @@ class RewardFn(Protocol):
 
 @runtime_checkable
 class Env(Protocol):
-    """A text environment for agentic RL (gymnasium's reset/step, with text actions and observations)."""
+    """A text environment for agentic RL (gymnasium's reset/step, with text actions and observations).
+
+    ``info`` holds ``action_is_valid``, ``success`` and ``metrics``. An env may also define ``state_key()
+    -> str``, the anchor state for GiGPO (default: the last observation; ``engines.environments.state_key``).
+    """
 
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         """Start an episode from ``seed``; returns ``(observation, info)``."""
 
     def step(self, action_text: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Apply the model's action; returns ``(observation, reward, terminated, truncated, info)``."""
+
+    def close(self) -> None:
+        """Release what the env holds (processes, files); the env is not used after."""

@@ -23,6 +23,8 @@ import torch
 from engines.algorithms.objective import SFTObjective
 from engines.backends import BACKENDS, engine_class
 from engines.data.sft import sft_batch
+from engines.environments import ENVIRONMENTS
+from engines.environments import names as environment_names
 from engines.protocols import Env, RewardFn, RolloutEngine, ScoringEngine, TrainEngine
 from engines.rewards import Scored, get_reward, reward_names
 from engines.training.torch import OptimSpec
@@ -363,8 +365,11 @@ class CountdownEnv:
         self.left -= action_text.strip() == "go"
         return f"{self.left} left", float(self.left == 0), self.left == 0, False, {}
 
+    def close(self) -> None:
+        pass
 
-ENVS = [CountdownEnv]
+
+ENVS = [CountdownEnv, *(ENVIRONMENTS.get(name) for name in environment_names())]
 
 
 @pytest.mark.parametrize("make_env", ENVS, ids=lambda cls: cls.__name__)
