@@ -130,7 +130,7 @@ def test_safe_changes_keep_every_stage_key(tmp_path):
 
 def test_the_kind_picks_the_stages_and_an_unknown_kind_lists_the_known_ones(tmp_path):
     assert _config(tmp_path).kind == "rlvr"
-    known = "rlvr, sft, dpo, distill, onpolicy_distill, pipeline"
+    known = "rlvr, sft, dpo, distill, onpolicy_distill, agentic, pipeline"
     with pytest.raises(ConfigError) as error:
         load_config("configs/tiny.yaml", ["kind=ppo"])
     assert str(error.value) == f"override 'kind=ppo': kind: unknown pipeline kind 'ppo'; known: {known}"
@@ -175,3 +175,16 @@ def test_checkpoints_of_another_stage_key_are_deleted_before_the_stage_resumes(t
     claim_checkpoints(root, "key-b")  # made with other inputs: gone, the stage starts over
     assert store.latest_checkpoint(root) is None
     assert store.read_json(store.join(root, "checkpoints", "stage_key.json")) == {"key": "key-b"}
+
+
+def test_an_agentic_stage_key_follows_its_environment_not_the_rl_rows(tmp_path):
+    base = [f"run.dir={tmp_path}"]
+    config = load_config("configs/agentic/corridor.yaml", base)
+    assert config.stage_names() == ["sft", "agentic"]
+    key = stage_key(config, "agentic", "in")
+    assert stage_key(load_config("configs/agentic/corridor.yaml", [*base, "data.arithmetic.num_train=10"]),
+                     "agentic", "in") == key  # no RL rows in an agentic stage
+    for change in ("agentic.max_turns=3", "agentic.env_options={length: 5}", "agentic.mode=step", "rollout.group_size=4"):
+        assert stage_key(load_config("configs/agentic/corridor.yaml", [*base, change]), "agentic", "in") != key, change
+    with pytest.raises(ConfigError, match="sft.data.source 'env' plays random moves in the agentic: environment"):
+        load_config("configs/agentic/corridor.yaml", [*base, "kind=sft", "agentic=null"])
