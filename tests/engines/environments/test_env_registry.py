@@ -37,7 +37,7 @@ def test_unknown_id_and_option_are_one_line_errors():
     message = error.value.args[0]
     assert "\n" not in message and "'Corridor-v9'" in message
     assert "Corridor-v0" in message and "Sokoban-v0" in message and "gem:<id>" in message and "gym:<id>" in message
-    with pytest.raises(ValueError, match=r"^environment 'Corridor-v0' does not take size; it takes: format_penalty, length$"):
+    with pytest.raises(ValueError, match=r"^environment 'Corridor-v0' does not take size; it takes: arrows, format_penalty, length$"):
         make("Corridor-v0", size=4)
 
 

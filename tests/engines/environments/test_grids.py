@@ -90,3 +90,15 @@ def test_frozenlake_options_and_a_path_always_exists():
 def test_step_before_reset_is_a_caller_error():
     with pytest.raises(RuntimeError, match="before reset"):
         make("Corridor-v0").step("L")
+
+
+def test_corridor_arrows_point_from_the_agent_to_the_goal():
+    env = make("Corridor-v0", arrows=True)
+    assert env.reset(seed=0)[0] == "...A>G"  # seed 0: goal at cell 5, agent on cell 3 (as above)
+    assert env.step("L")[0] == "..A>>G"
+    env = make("Corridor-v0", arrows=True)
+    env.reset(seed=0)
+    assert [env.step("R")[0] for _ in range(2)] == ["....AG", ".....A"]  # adjacent: no arrow; at the goal
+    left = make("Corridor-v0", arrows=True)
+    observation = left.reset(seed=next(s for s in range(50) if make("Corridor-v0").reset(seed=s)[0][0] == "G"))[0]
+    assert observation.startswith("G") and set(observation[1: observation.index("A")]) <= {"<"}
