@@ -164,7 +164,8 @@ def supervised_flow(config: Config, stage: str, model_path: str, tracker: RunTra
 def encode_split(config: Config, stage: str, model_path: str, split: str, rows: list[dict], tracker: RunTracker):
     """``(encoded_ref, count)`` of one split of the stage's rows; rows left out are logged and tagged on the
     MLflow run with their count and an example per reason; none left is an error."""
-    form = "dpo" if stage == "dpo" else "sft"
+    data = getattr(config, stage).data
+    form = "dpo" if stage == "dpo" else "sft_completion" if data.source == "env" else "sft"  # env: world-model loss
     ref, kept, rejected = encode_rows(form, model_path, quote(rows), getattr(config, stage).data.max_length)
     if kept == 0:
         raise ValueError(f"{stage}.data: no {split} row is usable ({rejected.summary()}); see engines/data/chat.py "

@@ -22,8 +22,9 @@ def _encode(kind: str, tokenizer_path: str, rows: list[dict], max_length: int):
     """``(encoded rows, (how many, Rejected))``."""
     from engines.data.chat import encode_preferences, encode_sft
 
+    options = {"loss_on": "completion"} if kind == "sft_completion" else {}
     encode = encode_preferences if kind == "dpo" else encode_sft
-    encoded, rejected = encode(load_tokenizer(tokenizer_path), rows, max_length=max_length)
+    encoded, rejected = encode(load_tokenizer(tokenizer_path), rows, max_length=max_length, **options)
     return encoded, (len(encoded), rejected)
 
 

@@ -250,14 +250,16 @@ def _extend(ids: list[int], mask: list[int], rendered: list[int], trained: int, 
     ids.extend(rendered[len(ids):])
 
 
-def _encode_conversation(tokenizer, prompt: list[dict], completion: list[dict], tools) -> EncodedRow:
-    """``prompt ++ completion`` rendered prefix by prefix; the assistant turns of ``completion`` trained."""
+def _encode_conversation(tokenizer, prompt: list[dict], completion: list[dict], tools,
+                         completion_loss: bool = False) -> EncodedRow:
+    """``prompt ++ completion`` rendered prefix by prefix; the assistant turns of ``completion`` trained, or
+    with ``completion_loss`` every turn of it (an agentic warm start's observations: a world-model loss)."""
     messages = prompt + completion
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(messages):
-        trained = int(i >= len(prompt) and message["role"] == "assistant")
-        if trained:  # the role header belongs to the prompt side
+        trained = int(i >= len(prompt) and (message["role"] == "assistant" or completion_loss))
+        if trained and message["role"] == "assistant":  # the role header belongs to the prompt side
             _extend(ids, mask, _render_ids(tokenizer, messages[:i], True, tools), 0, f"turn {i}'s generation prompt")
         _extend(ids, mask, _render_ids(tokenizer, messages[: i + 1], False, tools), trained, f"turn {i}")
     if 1 not in mask:
@@ -272,11 +274,11 @@ def encode_standard(tokenizer, prompt: str, completion: str) -> EncodedRow:
     return EncodedRow(p + c, [0] * len(p) + [1] * len(c), len(p))
 
 
-def _encode(tokenizer, prompt, completion, tools, max_length: int) -> EncodedRow:
+def _encode(tokenizer, prompt, completion, tools, max_length: int, completion_loss: bool = False) -> EncodedRow:
     if isinstance(prompt, str):
         row = encode_standard(tokenizer, prompt, completion)
     else:
-        row = _encode_conversation(tokenizer, prompt, completion, tools)
+        row = _encode_conversation(tokenizer, prompt, completion, tools, completion_loss)
     if len(row.input_ids) > max_length:
         raise _Reject("too_long", f"{len(row.input_ids)} tokens, over max_length {max_length}")
     return row
@@ -284,13 +286,17 @@ def _encode(tokenizer, prompt, completion, tools, max_length: int) -> EncodedRow
 
 # -------------------------------------------------------------------------------------------- encoding
 
-def encode_sft(tokenizer, rows: list[dict], *, max_length: int) -> tuple[list[EncodedRow], Rejected]:
-    """The SFT rows that encode cleanly, in order, and a report of the others (module docstring)."""
+def encode_sft(tokenizer, rows: list[dict], *, max_length: int,
+               loss_on: str = "assistant") -> tuple[list[EncodedRow], Rejected]:
+    """The SFT rows that encode cleanly, in order, and a report of the others (module docstring). ``loss_on``:
+    ``assistant`` (the assistant turns of the completion) or ``completion`` (all of its turns)."""
+    if loss_on not in ("assistant", "completion"):
+        raise ValueError(f"loss_on must be 'assistant' or 'completion', got {loss_on!r}")
     kept, rejected = [], Rejected()
     for index, row in enumerate(rows):
         prompt, completion = _sft_parts(row, index)
         try:
-            kept.append(_encode(tokenizer, prompt, completion, row.get("tools"), max_length))
+            kept.append(_encode(tokenizer, prompt, completion, row.get("tools"), max_length, loss_on == "completion"))
         except _Reject as e:
             rejected.add(index, e.reason, e.detail)
     return kept, rejected

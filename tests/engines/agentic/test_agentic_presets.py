@@ -21,7 +21,7 @@ def test_the_issue_presets_exist():
 def test_preset_collects_episodes_with_its_own_tiny_model(path: Path, tmp_path):
     from engines.agentic.rollout import EpisodeSpec
     from engines.agentic.worker import EnvWorker
-    from engines.data.chat import encode_sft
+    from engines.data.chat import encode_sft, plain_render
     from engines.inference.hf import HFInferenceEngine
     from engines.models import TinyModelSpec, build_tiny_model, load_tokenizer
     from flows.agentic import rollout_settings, training_specs
@@ -37,10 +37,14 @@ def test_preset_collects_episodes_with_its_own_tiny_model(path: Path, tmp_path):
         " ".join(tokenizer_texts(config)[:50]), add_special_tokens=False)
 
     train, heldout = stage_rows(config, "sft")
-    encoded, rejected = encode_sft(tokenizer, train + heldout, max_length=config.sft.data.max_length)
+    encoded, rejected = encode_sft(tokenizer, train + heldout, max_length=config.sft.data.max_length, loss_on="completion")
     assert rejected.total == 0 and len(encoded) == len(train) + len(heldout)
-    actions = sum(sum(row.loss_mask) for row in encoded)
-    assert 0 < actions < sum(len(row.input_ids) for row in encoded) / 2  # the actions, not the observations
+    first = len(tokenizer.encode(plain_render(train[0]["prompt"], tokenizer.eos_token, True), add_special_tokens=False))
+    header = len(tokenizer.encode("assistant:\n", add_special_tokens=False))
+    turns = sum(m["role"] == "assistant" for m in train[0]["completion"])
+    # trained: every token after the first prompt (actions, observations) but the later turns' "assistant:" headers
+    assert encoded[0].loss_mask[:first] == [0] * first
+    assert len(encoded[0].loss_mask) - first - sum(encoded[0].loss_mask) == (turns - 1) * header
 
     section = config.agentic
     worker = EnvWorker(str(model), section.env, dict(section.env_options),
