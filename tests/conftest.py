@@ -4,6 +4,7 @@ server (Prefect's test harness on 127.0.0.1), and process settings that keep run
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -99,6 +100,15 @@ def pytest_collection_modifyitems(items):
         params = getattr(getattr(item, "callspec", None), "params", {}).values()
         if any(getattr(p, "ranks", 0) for p in params) and any(getattr(p, "remote", False) for p in params):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_setup(item):
+    """``ROLLFLOW_TEST_DEADLINE`` (epoch seconds; ``.ci/run`` sets it for the slow set): a test that would start
+    after it is skipped, with that reason in the summary, so CI's time budget ends the run cleanly and the
+    tests that did run still pass or fail on their own."""
+    deadline = os.environ.get("ROLLFLOW_TEST_DEADLINE")
+    if deadline and time.time() > float(deadline):
+        pytest.skip("not run: CI's time budget for this test session is spent (ROLLFLOW_TEST_DEADLINE)")
 
 
 def pytest_collection_finish(session):
