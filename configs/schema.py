@@ -635,6 +635,11 @@ class Config(Section):
             raise CheckError(("model.lora", "rollout.engine"), "LoRA adapters sync into the hf and vllm rollout "
                              f"engines only; set rollout.engine=hf or vllm (got {self.rollout.engine!r}) "
                              "or remove model.lora")
+        if "agentic" in self.stage_names() and self.agentic.runner == "async" and self.algorithm.old_logprobs == "rollout":
+            raise CheckError(("algorithm.old_logprobs", "agentic.runner"),
+                             "agentic.runner async batches turns as the environments finish, so the engine's logprobs "
+                             "carry the float noise of whichever batch each turn landed in, and a resumed run would "
+                             "not repeat the update; set algorithm.old_logprobs=trainer (or agentic.runner=lockstep)")
         keep_groups = self.algorithm.advantage in advantages.GROUP_ESTIMATORS
         units = self.rollout.prompts_per_step * (1 if keep_groups else self.rollout.group_size)
         if self.train.mini_batches > units:

@@ -188,3 +188,6 @@ def test_an_agentic_stage_key_follows_its_environment_not_the_rl_rows(tmp_path):
         assert stage_key(load_config("configs/agentic/corridor.yaml", [*base, change]), "agentic", "in") != key, change
     with pytest.raises(ConfigError, match="sft.data.source 'env' plays random moves in the agentic: environment"):
         load_config("configs/agentic/corridor.yaml", [*base, "kind=sft", "agentic=null"])
+    with pytest.raises(ConfigError, match=r"algorithm.old_logprobs.*async batches turns.*old_logprobs=trainer"):
+        load_config("configs/agentic/corridor.yaml", [*base, "algorithm.old_logprobs=rollout"])
+    load_config("configs/agentic/corridor.yaml", [*base, "algorithm.old_logprobs=rollout", "agentic.runner=lockstep"])
