@@ -14,7 +14,8 @@ pytestmark = pytest.mark.ray
 
 SMALL = ["train.steps=2", "checkpoint.every=1", "eval.every=1", "tracking.sample_every=1", "sft.steps=4",
          "sft.batch_size=8", "rollout.prompts_per_step=2", "rollout.group_size=4", "agentic.eval_seeds=6",
-         "agentic.max_turns=4", "agentic.warm_start_episodes=32", "run.torch_threads=1"]
+         "agentic.max_turns=4", "agentic.warm_start_episodes=32", "run.torch_threads=1",
+         "algorithm.entropy_coef=0.01"]  # a gradient every step, whatever the episodes earn
 
 
 @pytest.mark.parametrize("mode", ["trajectory", pytest.param("step", marks=pytest.mark.slow)])
