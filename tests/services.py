@@ -34,6 +34,17 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, inter
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def kill_when_written(proc: subprocess.Popen, path: Path, timeout_s: float) -> None:
+    """SIGKILL ``proc``'s whole process group (a run started with ``start_new_session``: kill -9 of it and its
+    workers) as soon as ``path`` exists; fails with the run's output if it ends or times out first."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), proc.communicate()[0][-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:

@@ -4,16 +4,15 @@ weights of a run that was never interrupted (episode seeds are a pure function o
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from configs.loader import load_config
+from services import kill_when_written
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # three runs, two of them subprocesses
 
@@ -42,12 +41,7 @@ def test_killed_agentic_run_resumes_to_the_uninterrupted_weights(tmp_path, ray_c
     resumed = tmp_path / "resumed"
     proc = _cli(resumed, tmp_path / "prefect")
     manifest = resumed / "stages" / "agentic" / "checkpoints" / "step_000002" / "MANIFEST.json"
-    deadline = time.monotonic() + 400
-    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert manifest.exists(), proc.communicate()[0][-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_written(proc, manifest, timeout_s=400)
     assert not (resumed / "agentic_model" / "MANIFEST.json").exists()
 
     proc = _cli(resumed, tmp_path / "prefect")

@@ -5,16 +5,15 @@ pipeline; each stage is one MLflow run nested under the pipeline's; a changed st
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from configs.loader import load_config
+from services import kill_when_written
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # four pipelines, two of them subprocesses
 
@@ -59,12 +58,7 @@ def test_killed_pipeline_resumes_its_distill_stage_to_the_uninterrupted_weights(
     killed = tmp_path / "killed"
     proc = _cli(killed, tmp_path / "prefect")
     manifest = killed / "stages" / "distill" / "checkpoints" / "step_000002" / "MANIFEST.json"
-    deadline = time.monotonic() + 600
-    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert manifest.exists(), proc.communicate()[0][-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_written(proc, manifest, timeout_s=600)
     assert not (killed / "distill_model" / "MANIFEST.json").exists()
 
     proc = _cli(killed, tmp_path / "prefect")

@@ -4,16 +4,15 @@ bit-identical to a run that was never interrupted (same seed)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from configs.loader import load_config
+from services import kill_when_written
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # three full runs, two of them subprocesses
 
@@ -56,12 +55,7 @@ def test_kill_and_resume_matches_uninterrupted_run(engine, tmp_path, ray_cluster
     resumed = tmp_path / "resumed"
     proc = _cli(resumed, tmp_path / "prefect", overrides)
     manifest = resumed / "checkpoints" / "step_000002" / "MANIFEST.json"
-    deadline = time.monotonic() + 300
-    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert manifest.exists(), proc.communicate()[0][-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_written(proc, manifest, timeout_s=300)
     assert not (resumed / "final").exists()
     run_id = (resumed / "run.json").read_text()
 
