@@ -332,6 +332,7 @@ class EnginePolicy:
 
     engine: Any
     settings: RolloutSettings
+    weights_version: int = 0  # the engine's weights version in its last generate call
 
     def generate(self, requests: list[Request]) -> list[Generation]:
         from engines.types import SamplingParams
@@ -351,6 +352,7 @@ class EnginePolicy:
                 rollouts = ray.get(call(prompts, sampling))
             else:
                 rollouts = self.engine.generate(prompts, sampling)
+            self.weights_version = rollouts.weights_version
             for j, i in enumerate(rows):
                 n = int(rollouts.response_lengths[j])
                 out[i] = Generation(rollouts.response_ids[j, :n].tolist(), rollouts.logprobs[j, :n].tolist(),

@@ -59,11 +59,10 @@ class EnvWorker:
         another temperature when ``temperature`` is given. Returns ``(rollouts, returns [B], summaries)``,
         with the transcripts of the first ``transcripts`` episodes in their summaries."""
         settings = self.settings if temperature is None else dataclasses.replace(self.settings, temperature=temperature)
-        runner = Runner(EnginePolicy(engine, settings), self.renderer, settings, self._make_env, environments.state_key)
-        episodes = runner.run(specs, mode)
+        policy = EnginePolicy(engine, settings)
+        episodes = Runner(policy, self.renderer, settings, self._make_env, environments.state_key).run(specs, mode)
         summaries = [summarize_episode(e) for e in episodes]
         for summary, episode in zip(summaries[:transcripts], episodes):
             summary["transcript"] = transcript(episode, self.tokenizer)
-        version = 0
         returns = torch.tensor([e.episode_return for e in episodes], dtype=torch.float32)
-        return to_rollouts(episodes, self.tokenizer.pad_token_id, version), returns, summaries
+        return to_rollouts(episodes, self.tokenizer.pad_token_id, policy.weights_version), returns, summaries
