@@ -43,8 +43,7 @@ def main(argv: list[str]) -> dict:
     from engines import environments
     from engines.agentic.chat import TurnRenderer
     from engines.agentic.rollout import EnginePolicy, EpisodeSpec, RolloutSettings, Runner
-    from engines.agentic.warm_start import random_move_rows
-    from engines.data.synthetic import texts_for_tokenizer
+    from engines.agentic.warm_start import environment_texts
     from engines.inference.hf import HFInferenceEngine
     from engines.models import TinyModelSpec, build_tiny_model, load_tokenizer
 
@@ -52,8 +51,8 @@ def main(argv: list[str]) -> dict:
     episodes, max_turns = int(args.get("episodes", 32)), int(args.get("max_turns", 6))
     max_s, repeats = float(args.get("max_step_ms", 50)) / 1000, int(args.get("repeats", 3))
     model = Path(scratch_dir("bench-agentic")) / "model"
-    rows = random_move_rows("Corridor-v0", {}, 200, seed=0, max_turns=max_turns)
-    build_tiny_model(model, texts_for_tokenizer(rows), TinyModelSpec(max_position_embeddings=256), seed=0)
+    texts = environment_texts("Corridor-v0", {}, 200, seed=0, max_turns=max_turns)
+    build_tiny_model(model, texts, TinyModelSpec(max_position_embeddings=256), seed=0)
     tokenizer, engine = load_tokenizer(str(model)), HFInferenceEngine(str(model), torch_threads=1)
     settings = RolloutSettings(max_turns=max_turns, max_tokens_per_turn=3, max_context=256)
     runner = Runner(EnginePolicy(engine, settings), TurnRenderer(tokenizer), settings,

@@ -20,7 +20,7 @@ from prefect.utilities.annotations import quote
 
 from configs.schema import Config
 from engines.actors import start_engine
-from engines.agentic.rollout import EpisodeSpec, RolloutSettings
+from engines.agentic.rollout import ENDINGS, TRUNCATIONS, EpisodeSpec, RolloutSettings
 from tasks.agentic import run_episodes
 from tasks.common import timed
 
@@ -75,7 +75,7 @@ def agentic_advantages(config: Config, summaries: list[dict]) -> tuple[list[list
 
     section = config.agentic
     rewards = [list(s["step_rewards"]) for s in summaries]
-    truncated = [s["ending"] in ("truncated", "max_turns", "context") for s in summaries]
+    truncated = [s["ending"] in TRUNCATIONS for s in summaries]
     if section.on_truncation == "penalize":
         for steps, cut in zip(rewards, truncated):
             if cut and steps:
@@ -119,7 +119,7 @@ def episode_metrics(summaries: list[dict], prefix: str) -> dict[str, float]:
                         f"{tag}/invalid_action_rate": sum(s["invalid"] for s in mine) / max(turns, 1)})
         endings = Counter(s["ending"] for s in mine)
         metrics.update({f"{tag}/ending/{name}": endings.get(name, 0) / n
-                        for name in ("terminated", "truncated", "max_turns", "context", "error")})
+                        for name in ENDINGS})
         finishes = Counter()
         for s in mine:
             finishes.update(s["finishes"])

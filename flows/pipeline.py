@@ -48,12 +48,11 @@ def tokenizer_texts(config: Config) -> list[str]:
     """The text a tiny model's tokenizer is trained on: the RL rows, and the rows of each supervised stage
     with data of its own, as the chat format renders them."""
     if config.agentic is not None and "agentic" in config.stage_names():  # the environment's text, not RL rows
-        from engines.agentic.warm_start import random_move_rows
-        from engines.data.synthetic import texts_for_tokenizer
+        from engines.agentic.warm_start import environment_texts
 
         section = config.agentic
-        texts = texts_for_tokenizer(random_move_rows(section.env, dict(section.env_options), 200, config.run.seed + 17,
-                                                     section.max_turns, section.system_prompt))
+        texts = environment_texts(section.env, dict(section.env_options), 200, config.run.seed + 17, section.max_turns,
+                                  section.system_prompt)
     else:
         texts = [row["prompt"] + row["answer"] for row in load_rows(config)[0]]
     for stage in supervised_stages(config):

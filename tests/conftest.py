@@ -38,14 +38,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def agentic_model_dir(tmp_path_factory) -> str:
     """A tiny Qwen2 model whose tokenizer is trained on random-move episodes of the shipped text
     environments (the plain turn format), 256 positions: multi-turn rollouts fit."""
-    from engines.agentic.warm_start import random_move_rows
-    from engines.data.synthetic import texts_for_tokenizer
+    from engines.agentic.warm_start import environment_texts
     from engines.models import TinyModelSpec, build_tiny_model
 
-    rows = [row for env in ("Corridor-v0", "Bandit-v0", "GuessTheNumber-v0", "FrozenLake-v0")
-            for row in random_move_rows(env, {}, 40, seed=0, max_turns=6)]
+    texts = [text for env in ("Corridor-v0", "Bandit-v0", "GuessTheNumber-v0", "FrozenLake-v0")
+             for text in environment_texts(env, {}, 40, seed=0, max_turns=6)]
     out = tmp_path_factory.mktemp("agentic") / "model"
-    build_tiny_model(out, texts_for_tokenizer(rows), TinyModelSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+    build_tiny_model(out, texts, TinyModelSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                                                                    intermediate_size=128, max_position_embeddings=256,
                                                                    vocab_size=96), seed=0)
     return str(out)

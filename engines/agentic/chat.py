@@ -68,9 +68,10 @@ class TurnRenderer:
         after = self._render([*messages, {"role": "assistant", "content": action_text},
                               {"role": "user", "content": observation}], True)
         if not after.startswith(before):
+            at = _first_difference(before, after)
             raise TemplateError(f"the chat template is not append-only at turn {len(history) // 2}: adding the next "
-                                f"observation changes the text before it at character {_first_difference(before, after)}"
-                                f" ({after[max(_first_difference(before, after) - 20, 0):][:40]!r}); "
+                                f"observation changes the text before it at character {at}"
+                                f" ({after[max(at - 20, 0):][:40]!r}); "
                                 "token-in-token-out rollouts need an append-only template")
         return after[len(before):]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from engines import environments
 from engines.agentic.chat import TurnRenderer, check_append_only
@@ -33,17 +33,16 @@ def build_policy(name: str, tokenizer, settings: RolloutSettings, ask: Callable[
 
 def debug_tokenizer(env_id: str, options: dict):
     """A tokenizer for text policies without a model: byte-level BPE trained on random episodes of the env."""
-    from engines.agentic.warm_start import random_move_rows
-    from engines.data.synthetic import texts_for_tokenizer
+    from engines.agentic.warm_start import environment_texts
     from engines.models import train_tokenizer
 
-    return train_tokenizer(texts_for_tokenizer(random_move_rows(env_id, options, 50, seed=0, max_turns=8)), 128)
+    return train_tokenizer(environment_texts(env_id, options, 50, seed=0, max_turns=8), 128)
 
 
 def run_local(env_id: str, options: dict, policy, tokenizer, settings: RolloutSettings, episodes: int, seed: int,
               system_prompt: bool = False) -> list[Episode]:
     """``episodes`` episodes with environment seeds ``seed``, ``seed + 1``, …, one after another."""
-    system = environments.make(env_id, **options).instructions if system_prompt else None
+    system = environments.instructions(env_id, **options) if system_prompt else None
     renderer = TurnRenderer(tokenizer, system)
     check_append_only(renderer)
     runner = Runner(policy, renderer, settings, lambda spec: environments.make(spec.env_id, **options),
@@ -112,7 +111,7 @@ def replay(records: list[dict], tokenizer, settings: RolloutSettings, options: d
     turn whose observation, reward or tokens differ from the record (none: the dump replays exactly)."""
     specs = [EpisodeSpec(**r["spec"]) for r in records]
     env_id = specs[0].env_id if specs else ""
-    system = environments.make(env_id, **(options or {})).instructions if system_prompt and specs else None
+    system = environments.instructions(env_id, **(options or {})) if system_prompt and specs else None
     runner = Runner(ReplayPolicy(records, tokenizer), TurnRenderer(tokenizer, system), settings,
                     lambda spec: environments.make(spec.env_id, **{**(options or {}), **spec.options}),
                     environments.state_key)
@@ -131,4 +130,4 @@ def replay(records: list[dict], tokenizer, settings: RolloutSettings, options: d
     return episodes, differences
 
 
-__all__: list[Any] = ["build_policy", "debug_tokenizer", "dump", "load", "render", "replay", "run_local"]
+__all__ = ["build_policy", "debug_tokenizer", "dump", "load", "render", "replay", "run_local"]

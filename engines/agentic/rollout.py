@@ -104,6 +104,11 @@ class Turn:
     next_ids: list[int] = field(default_factory=list)  # template + observation tokens before the next action
 
 
+ENDINGS = ("terminated", "truncated", "max_turns", "context", "error")
+TRUNCATIONS = ("truncated", "max_turns", "context")
+"""Episode endings, and those that are a limit's (the environment's or the rollout's) rather than the task's."""
+
+
 @dataclass
 class Episode:
     spec: EpisodeSpec
@@ -130,7 +135,7 @@ class Episode:
     @property
     def truncated(self) -> bool:
         """Ended by a limit (the environment's or the rollout's) rather than by the task."""
-        return self.ending in ("truncated", "max_turns", "context")
+        return self.ending in TRUNCATIONS
 
     def response_ids(self) -> list[int]:
         return [t for turn in self.turns for t in (*turn.action_ids, *turn.next_ids)]

@@ -45,3 +45,12 @@ def random_move_rows(env_id: str, options: dict, episodes: int, seed: int, max_t
         first = 2 if system else 1  # the prompt: the instructions and the first observation
         rows.append({"prompt": messages[:first], "completion": messages[first:]})
     return rows
+
+
+def environment_texts(env_id: str, options: dict, episodes: int, seed: int, max_turns: int,
+                      system: bool = False) -> list[str]:
+    """The text of ``random_move_rows`` as the plain turn format renders it: what a tiny model's tokenizer is
+    trained on to read and write environment ``env_id``."""
+    from engines.data.synthetic import texts_for_tokenizer
+
+    return texts_for_tokenizer(random_move_rows(env_id, options, episodes, seed, max_turns, system))

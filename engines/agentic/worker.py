@@ -42,9 +42,7 @@ class EnvWorker:
 
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.env_id, self.env_options = env_id, dict(env_options or {})
-        probe = environments.make(env_id, **self.env_options)
-        system = getattr(probe, "instructions", None) if system_prompt else None
-        probe.close()
+        system = environments.instructions(env_id, **self.env_options) if system_prompt else None
         self.renderer = TurnRenderer(self.tokenizer, system)
         check_append_only(self.renderer)
         self.settings = dataclasses.replace(settings, stop_token_ids=settings.stop_token_ids

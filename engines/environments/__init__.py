@@ -41,7 +41,7 @@ from engines.environments.adapters import PACKAGES, make_adapted
 from engines.environments.common import ENVIRONMENTS, register
 from engines.protocols import Env
 
-__all__ = ["ENVIRONMENTS", "make", "names", "register", "state_key"]
+__all__ = ["ENVIRONMENTS", "instructions", "make", "names", "register", "state_key"]
 
 
 def make(env_id: str, **options: Any) -> Env:
@@ -54,6 +54,15 @@ def make(env_id: str, **options: Any) -> Env:
         raise KeyError(f"unknown environment {env_id!r}; registered: {', '.join(names())}; adapters: {adapters}")
     ENVIRONMENTS.check_options(env_id, options)
     return ENVIRONMENTS.get(env_id)(**options)
+
+
+def instructions(env_id: str, **options: Any) -> str | None:
+    """The one-line instructions of env ``env_id`` (for a system message); None for an env without any."""
+    env = make(env_id, **options)
+    try:
+        return getattr(env, "instructions", None)
+    finally:
+        env.close()
 
 
 def names() -> list[str]:
