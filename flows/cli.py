@@ -227,7 +227,7 @@ def rollout(env_id: str = typer.Argument(..., help="environment id, e.g. Corrido
     except (KeyError, TypeError, ValueError, ImportError) as exc:
         raise _config_error(exc) from None
     model_path = policy[3:] if policy.startswith("hf:") else tokenizer
-    tok = load_tokenizer(model_path) if model_path else local.debug_tokenizer(env_id, options)
+    tok = load_tokenizer(model_path) if model_path else local.debug_tokenizer(env_id, options, system_prompt)
     settings = RolloutSettings(max_turns=max_turns, max_tokens_per_turn=max_tokens, max_context=max_context,
                                temperature=temperature, stop_token_ids=(tok.eos_token_id,))
     if replay:

@@ -31,12 +31,13 @@ def build_policy(name: str, tokenizer, settings: RolloutSettings, ask: Callable[
     return policies[name](tokenizer)
 
 
-def debug_tokenizer(env_id: str, options: dict):
-    """A tokenizer for text policies without a model: byte-level BPE trained on random episodes of the env."""
+def debug_tokenizer(env_id: str, options: dict, system_prompt: bool = False):
+    """A tokenizer for text policies without a model: byte-level BPE trained on random episodes of the env
+    (with its instructions when they are shown: a byte the tokenizer never saw has no token)."""
     from engines.agentic.warm_start import environment_texts
     from engines.models import train_tokenizer
 
-    return train_tokenizer(environment_texts(env_id, options, 50, seed=0, max_turns=8), 128)
+    return train_tokenizer(environment_texts(env_id, options, 50, seed=0, max_turns=8, system=system_prompt), 128)
 
 
 def run_local(env_id: str, options: dict, policy, tokenizer, settings: RolloutSettings, episodes: int, seed: int,

@@ -51,3 +51,8 @@ def test_unknown_environment_and_policy_are_one_line_errors():
     assert code == 2 and "unknown environment 'Nope-v0'" in out
     code, out = _run("Corridor-v0", "--policy", "greedy")
     assert code == 2 and "unknown policy 'greedy'" in out
+
+
+def test_the_instructions_shown_as_a_system_message_are_readable():
+    code, out = _run("Corridor-v0", "--policy", "scripted", "--episodes", "1", "--no-color", "--system-prompt")
+    assert code == 0 and "system:\nMove A to G. Answer L or R." in out, out
