@@ -391,6 +391,11 @@ class AlgorithmConfig(Section):
     """Constant normaliser of seq-mean-token-sum-norm (Dr.GRPO); None = rollout.max_new_tokens."""
     old_logprobs: Literal["rollout", "trainer"] = "rollout"
     """Old logprobs of the ratio: the rollout engine's, or recomputed by the trainer (then tis_cap can correct the mismatch)."""
+    correction: str | None = None
+    """Off-policy correction of the sampler/trainer mismatch (engines.algorithms.corrections): tis, icepop,
+    seq_tis, seq_mis, geo_mask, decoupled_ppo; needs old_logprobs: trainer."""
+    correction_options: dict[str, float] = {}
+    """Keyword options of the correction, e.g. {cap: 2.0} or {low: 0.5, high: 5.0}; see docs/algorithms.md."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
     kl: KLConfig = KLConfig()
@@ -419,6 +424,7 @@ class AlgorithmConfig(Section):
         if self.loss_options.get("tis_cap") and self.old_logprobs == "rollout":
             raise ValueError("loss_options.tis_cap corrects the trainer/rollout mismatch, but with old_logprobs 'rollout' "
                              "both are the same; set algorithm.old_logprobs=trainer")
+        self._check_correction()
         if "critic" in self.model_fields_set and self.advantage != "gae":
             raise ValueError(f"algorithm.critic is only used by advantage 'gae', not {self.advantage!r}; remove it")
         if self.agg_norm is not None and self.agg != "seq-mean-token-sum-norm":
@@ -428,6 +434,27 @@ class AlgorithmConfig(Section):
                              f"(Zheng et al. 2025, arXiv:2507.18071, eq. 5), not {self.agg!r}; set "
                              "algorithm.agg=seq-mean-token-mean")
         return self
+
+
+    def _check_correction(self) -> None:
+        from engines.algorithms import corrections
+
+        if self.correction is None:
+            if self.correction_options:
+                raise CheckError(("correction_options",), "correction_options without a correction; set algorithm.correction")
+            return
+        if self.correction not in corrections.names():
+            close = difflib.get_close_matches(self.correction, corrections.names(), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise CheckError(("correction",), f"unknown off-policy correction {self.correction!r}; {hint}registered: "
+                             f"{', '.join(corrections.names())}")
+        try:
+            corrections.check(self.correction, self.correction_options)
+        except ValueError as error:
+            raise CheckError(("correction_options",), str(error)) from None
+        if self.old_logprobs == "rollout":
+            raise CheckError(("correction", "old_logprobs"), f"correction {self.correction!r} weighs by π_prox/μ, but with "
+                             "old_logprobs 'rollout' π_prox is μ (every weight 1); set algorithm.old_logprobs=trainer")
 
 
 class DeepSpeedConfig(Section):

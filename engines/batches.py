@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engines.algorithms import advantages, kl, onpolicy
+from engines.algorithms import advantages, corrections, kl, onpolicy
 from engines.algorithms.advantages import outcome_token_rewards
 from engines.algorithms.shaping import RunningMoments, ShapingSpec, shape_advantages, shape_sequence_rewards
 from engines.types import Rollouts, build_train_batch
@@ -19,7 +19,8 @@ class AdvantageSpec:
     """Which estimator to run with which options, the shaping around it, and how KL enters.
 
     ``pad_token_id`` pads the train batch; ``kl_in_reward`` subtracts ``kl_coef * KL_t`` from the token
-    rewards (KL measured between the policy's old logprobs and the reference's)."""
+    rewards (KL measured between the policy's old logprobs and the reference's). ``correction``: an off-policy
+    correction (``engines.algorithms.corrections``) with its options, or None."""
 
     estimator: str
     pad_token_id: int
@@ -27,6 +28,8 @@ class AdvantageSpec:
     shaping: ShapingSpec = ShapingSpec()
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
+    correction: str | None = None
+    correction_options: dict = field(default_factory=dict)
 
 
 def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor, spec: AdvantageSpec, *,
@@ -50,6 +53,10 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     Agentic RL: ``step_advantages`` (one value per turn of each row, ``engines.algorithms.agentic``) replace
     the estimator's, each on its turn's model tokens; ``masked_rows`` (errors, masked truncations, groups
     StarPO-S filters out) leave the loss.
+
+    Off-policy correction (``spec.correction``): its weights go to the batch as ``is_weights`` (the policy
+    loss multiplies its per-token term by them) and the tokens it rejects leave ``loss_mask``; its metrics
+    join the summary.
     """
     batch = build_train_batch(rollouts, spec.pad_token_id)
     width, mask = batch.input_ids.shape[1], batch.loss_mask  # [B, L]
@@ -88,6 +95,12 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
         kept = torch.tensor([reason != "length" for reason in rollouts.finish_reasons], dtype=mask.dtype, device=mask.device)
         mask = mask * kept.unsqueeze(-1)
         summary["shaping/overlong_filtered_frac"] = 1.0 - float(kept.mean())
+    if spec.correction is not None:  # last: it weighs and rejects among the tokens still in the loss
+        weights, keep, correction_metrics = corrections.compute(
+            spec.correction, prox_logprobs=old, rollout_logprobs=batch.tensors["rollout_logprobs"], loss_mask=mask,
+            **spec.correction_options)
+        mask, tensors["is_weights"] = mask * keep, weights
+        summary.update(correction_metrics)
     batch = dataclasses.replace(batch, loss_mask=mask, group_ids=group_ids,
                                 tensors={**batch.tensors, **tensors, "advantages": adv * mask, "returns": returns * mask})
     is_response = mask.bool()

@@ -249,11 +249,12 @@ def build_objective(config: Config) -> PolicyObjective:
 
 
 def build_advantage_spec(config: Config, pad_token_id: int) -> AdvantageSpec:
-    """Estimator, shaping and reward-KL settings of ``algorithm`` for the reward worker."""
+    """Estimator, shaping, reward-KL and off-policy correction settings of ``algorithm`` for the reward worker."""
     alg = config.algorithm
     shaping = ShapingSpec(**alg.shaping.model_dump(), max_length=config.rollout.max_new_tokens)
     return AdvantageSpec(alg.advantage, pad_token_id, dict(alg.advantage_options), shaping,
-                         kl_estimator=alg.kl.estimator, kl_in_reward=alg.kl.mode == "reward")
+                         kl_estimator=alg.kl.estimator, kl_in_reward=alg.kl.mode == "reward",
+                         correction=alg.correction, correction_options=dict(alg.correction_options))
 
 
 def update_spec(config: Config, step: int, role: str = "policy") -> UpdateSpec:

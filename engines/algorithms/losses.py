@@ -43,9 +43,11 @@ def compute(
     agg_options: dict[str, Any] | None = None,
     rollout_logprobs: torch.Tensor | None = None,  # [B, L] log pi_rollout(o_t), the inference engine's
     tis_cap: float = 0.0,
+    is_weights: torch.Tensor | None = None,  # [B, L] an off-policy correction's weights (engines.algorithms.corrections)
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Run the named loss, weight it by truncated IS when ``tis_cap > 0``, aggregate with ``agg``.
+    """Run the named loss, weight it by ``is_weights`` when given and by truncated IS when ``tis_cap > 0``,
+    aggregate with ``agg``.
 
     Truncated importance sampling for the train/rollout mismatch (Yao et al. 2025, "Your Efficient RL
     Framework Secretly Brings You Off-Policy RL Training", fengyao.notion.site/off-policy-rl)::
@@ -65,6 +67,8 @@ def compute(
     )
     if rollout_logprobs is not None:
         metrics.update(mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask))
+    if is_weights is not None:
+        token_losses = token_losses * is_weights
     if tis_cap > 0:
         if rollout_logprobs is None:
             raise ValueError("tis_cap > 0 needs rollout_logprobs (the inference engine's logprobs)")
@@ -91,9 +95,13 @@ def option_names(name: str) -> set[str]:
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *,
                          cap: float) -> torch.Tensor:
-    """``min(exp(OLP - RLP), cap)`` per token, ``[B, L]``, detached; ``min(1, cap)`` outside ``mask`` (masked later)."""
-    log_ratio = _masked_log_ratio(old_logprobs.detach(), rollout_logprobs, mask)
-    return torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)).clamp(max=cap)
+    """``min(exp(OLP - RLP), cap)`` per token, ``[B, L]``, detached (the ``tis`` correction's weights); 1 outside
+    ``mask`` (masked later)."""
+    from engines.algorithms import corrections
+
+    weights, _, _ = corrections.compute("tis", prox_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                                        loss_mask=mask, cap=cap)
+    return weights
 
 
 def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -102,12 +110,13 @@ def mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
     with torch.no_grad():
         log_ratio = _masked_log_ratio(old_logprobs.detach(), rollout_logprobs, mask)  # log r = log(pi_train / pi_rollout)
         k3 = torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP)) - log_ratio - 1.0
-        return {"mismatch/k3": _token_mean(k3, mask), "mismatch/max_abs_logprob_diff": float((log_ratio.abs() * mask).max())}
+        return {"mismatch/k3": _token_mean(k3, mask), "mismatch/mean_abs_logprob_diff": _token_mean(log_ratio.abs(), mask),
+                "mismatch/max_abs_logprob_diff": float((log_ratio.abs() * mask).max())}
 
 
 # Losses of the form ``A[i, t] · f(π)[i, t]``: a row whose advantages are all 0 adds exactly 0 to the loss
 # and to its gradient, so the train step may skip it (tests/algorithms check every name listed here).
-ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "topr", "importance_sampling"})
+ZERO_AT_ZERO_ADVANTAGE = frozenset({"ppo_clip", "gspo", "topr", "importance_sampling", "cispo"})
 
 
 @register("ppo_clip")
@@ -266,6 +275,40 @@ def topr(
             **ratio_metrics(log_ratio, loss_mask, seq_log_ratio=seq_log_ratio),
         }
     return pg_losses, metrics
+
+
+@register("cispo")
+def cispo(
+    *,
+    logprobs: torch.Tensor,  # [B, L]
+    old_logprobs: torch.Tensor,  # [B, L]
+    advantages: torch.Tensor,  # [B, L]
+    loss_mask: torch.Tensor,  # [B, L]
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO, clipped importance-sampling weight policy optimisation (MiniMax 2025, arXiv:2506.13585,
+    eq. 4-5): the ratio is clipped and its gradient stopped, then it weights REINFORCE's term, so a token
+    whose ratio leaves the range keeps its gradient (PPO's clip zeroes it)::
+
+        ratio     = exp(LP - OLP)                                          # [B, L]
+        pg_loss   = -sg(clamp(ratio, 1 - clip_low, 1 + clip_high)) * A * LP
+
+    ``clip_low`` 1.0 leaves the ratio unbounded below (the paper sets no lower bound). At ``ratio = 1`` the
+    gradient is PPO's, ``-A * grad LP``. Off-policy data (``old_logprobs: rollout``, or asynchronous
+    rollouts) is what the clipped weight is for.
+
+    Metrics: ``actor/clipfrac`` (share of tokens whose weight the clip changed), ``actor/ratio_mean`` and
+    ``ratio_metrics``.
+    """
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, loss_mask)  # [B, L]
+    ratio = torch.exp(log_ratio.detach().clamp(max=LOG_RATIO_CLAMP))  # [B, L]
+    weights = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    masked_logprobs = torch.where(loss_mask > 0, logprobs, torch.zeros_like(logprobs))
+    with torch.no_grad():
+        metrics = {"actor/clipfrac": _token_mean((weights != ratio).float(), loss_mask),
+                   "actor/ratio_mean": _token_mean(ratio, loss_mask), **ratio_metrics(log_ratio, loss_mask)}
+    return -weights * advantages * masked_logprobs, metrics
 
 
 def value_loss(

@@ -26,8 +26,8 @@ def micro_weight(agg: str, micro: TrainBatch, full: TrainBatch) -> float:
 class PolicyObjective:
     """``loss = policy_loss(agg) + kl_coef · agg(kl_estimator(logπ, logπ_ref)) − entropy_coef · agg(H)``.
 
-    Reads ``advantages``, ``old_logprobs`` and ``rollout_logprobs`` (and ``ref_logprobs`` when
-    ``kl_coef > 0``) from the batch. ``kl_coef`` is the KL *loss* term; a KL in the reward is applied
+    Reads ``advantages``, ``old_logprobs``, ``rollout_logprobs``, ``is_weights`` when an off-policy correction
+    made them (``engines.algorithms.corrections``) and ``ref_logprobs`` when ``kl_coef > 0`` from the batch. ``kl_coef`` is the KL *loss* term; a KL in the reward is applied
     before the estimator (``engines.batches.advantage_batch``) and leaves ``kl_coef`` at 0 here.
     ``agg_options`` go to the aggregation of every term (e.g. Dr.GRPO's constant ``norm``).
     """
@@ -57,6 +57,7 @@ class PolicyObjective:
             agg=self.agg,
             agg_options=self.agg_options,
             rollout_logprobs=batch.tensors.get("rollout_logprobs"),
+            is_weights=batch.tensors.get("is_weights"),
             **self.loss_options,
         )
         if self.kl_coef > 0:

@@ -441,7 +441,7 @@ def test_topr_loss_matches_loop_reference():
 
 
 def test_all_policy_losses_registered():
-    assert losses.names() == ["gspo", "importance_sampling", "ppo_clip", "topr"]
+    assert losses.names() == ["cispo", "gspo", "importance_sampling", "ppo_clip", "topr"]
 
 
 @pytest.mark.invariant
