@@ -49,7 +49,7 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class that holds the field at ``loc[:-1]``."""
     model: Any = Config
     for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
+        field = _field(model, part) if isinstance(part, str) else None
         if field is None:
             return None
         candidates = [field.annotation, *typing.get_args(field.annotation)]
@@ -59,12 +59,17 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+def _field(model: type[BaseModel], key: str):
+    """The field of ``model`` spelled ``key`` in YAML: its alias (``async``) or its name."""
+    return next((f for name, f in model.model_fields.items() if key in (name, f.alias)), None)
+
+
 def _describe(error: dict) -> str:
     loc = tuple(error["loc"])
     key = ".".join(str(p) for p in loc) or "<root>"
     if error["type"] == "extra_forbidden":
         section = _section_at(loc)
-        valid = list(section.model_fields) if section else []
+        valid = [field.alias or name for name, field in section.model_fields.items()] if section else []
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
         return f"{key}: unknown key; {hint}"

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from configs.agentic import AgenticConfig
+from configs.asynchrony import AsyncConfig
 from configs.checks import (CheckError, backend, check_data_files, check_option_values, check_options,
                             keyword_options)
 from configs.placement import PlacementConfig
@@ -598,6 +599,12 @@ class Config(Section):
     sync: SyncConfig = SyncConfig()
     placement: PlacementConfig | None = None
     """Replicas and GPUs per role and which roles share devices; omit to run every engine on CPU, as one actor."""
+    async_: AsyncConfig = Field(AsyncConfig(), alias="async")
+    """Whether rollout runs ahead of training (RL stages): off, or one_step (configs/asynchrony.py)."""
+
+    # ``async`` is a Python keyword: the field is ``async_`` in code and ``async`` in YAML, overrides and dumps
+    model_config = ConfigDict(**Section.model_config, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
 
     def stage_names(self) -> list[str]:
         """The training stages of ``kind`` in order (the tiny base model before them is not one)."""
@@ -673,6 +680,12 @@ class Config(Section):
             what = "prompt groups (mini-batches keep groups whole)" if keep_groups else "rows"
             raise CheckError(("train.mini_batches", "rollout.prompts_per_step"), f"train.mini_batches "
                                   f"({self.train.mini_batches}) exceeds the {units} {what} of a rollout batch; lower it")
+        colocated = [g for g in (self.placement.colocate if self.placement else []) if "rollout" in g]
+        if self.async_.mode != "off" and colocated:
+            raise CheckError(("async.mode", "placement.colocate"),
+                             f"async.mode {self.async_.mode} generates while the trainer trains, but placement.colocate "
+                             f"puts {', '.join(colocated[0])} on the same devices, which take turns; use async.mode=off "
+                             "or separate devices")
         return self
 
     @model_validator(mode="after")

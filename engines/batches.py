@@ -38,7 +38,8 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
                     moments: RunningMoments | None = None, teacher_logprobs: torch.Tensor | None = None,
                     teacher_coef: float = 1.0, distill_only: bool = False,
                     teacher_kl_groups: dict[str, list[int]] | None = None,
-                    step_advantages: list[list[float]] | None = None, masked_rows: list[int] = ()):
+                    step_advantages: list[list[float]] | None = None, masked_rows: list[int] = (),
+                    policy_version: int | None = None, max_version_lag: int = 0):
     """Shape rewards, run the estimator, build the TrainBatch; returns ``(batch, summary, moments)``.
 
     The batch carries ``advantages``, ``returns``, ``old_logprobs`` (the trainer's when given, else the
@@ -54,17 +55,23 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     the estimator's, each on its turn's model tokens; ``masked_rows`` (errors, masked truncations, groups
     StarPO-S filters out) leave the loss.
 
+    ``policy_version``: the trainer's weights version; the rollouts' ``weights_version`` must be at most
+    ``max_version_lag`` behind it and never ahead (``StaleRolloutsError``); the lag is ``offpolicy/version_lag``.
+
     Off-policy correction (``spec.correction``): its weights go to the batch as ``is_weights`` (the policy
     loss multiplies its per-token term by them) and the tokens it rejects leave ``loss_mask``; its metrics
     join the summary.
     """
+    summary: dict[str, float] = {}
+    if policy_version is not None:
+        summary["offpolicy/version_lag"] = float(check_version_lag(rollouts.weights_version, policy_version, max_version_lag))
     batch = build_train_batch(rollouts, spec.pad_token_id)
     width, mask = batch.input_ids.shape[1], batch.loss_mask  # [B, L]
     old = old_logprobs[:, :width] if old_logprobs is not None else batch.tensors["rollout_logprobs"]
     shaped, moments = shape_sequence_rewards(rewards, rollouts.response_lengths, group_ids, spec.shaping, moments)
     token_rewards = outcome_token_rewards(shaped, mask)
     tensors = {"old_logprobs": old}
-    summary = {"reward/shaped_mean": float(shaped.mean())}
+    summary["reward/shaped_mean"] = float(shaped.mean())
     if ref_logprobs is not None:
         tensors["ref_logprobs"] = ref_logprobs[:, :width]
         kl_tok = kl.compute(spec.kl_estimator, logprobs=old, ref_logprobs=tensors["ref_logprobs"]) * mask  # [B, L]
@@ -108,6 +115,20 @@ def advantage_batch(rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.
     summary["advantage/abs_mean"] = float(adv[is_response].abs().mean()) if is_response.any() else 0.0
     summary["advantage/returns_mean"] = float(returns[is_response].mean()) if is_response.any() else 0.0
     return batch, summary, moments
+
+
+class StaleRolloutsError(RuntimeError):
+    """Rollouts generated with weights further behind the trainer than the run allows, or ahead of it."""
+
+
+def check_version_lag(rollouts_version: int, policy_version: int, max_lag: int) -> int:
+    """``policy_version - rollouts_version``, the versions the rollouts' weights are behind the trainer's;
+    raise ``StaleRolloutsError`` when it is negative or above ``max_lag``."""
+    lag = policy_version - rollouts_version
+    if not 0 <= lag <= max_lag:
+        raise StaleRolloutsError(f"rollouts generated with weights v{rollouts_version} reached the trainer at "
+                                 f"v{policy_version}: {lag} versions behind, the run allows 0 to {max_lag}")
+    return lag
 
 
 def routed_logprobs(parts: list[torch.Tensor], rows: list[list[int]], num_rows: int) -> torch.Tensor:

@@ -66,11 +66,15 @@ def write_json(uri: str, payload: dict[str, Any]) -> None:
     write_bytes(uri, json.dumps(payload, indent=1, sort_keys=True).encode())
 
 
-def read_json(uri: str) -> dict[str, Any] | None:
+def read_bytes(uri: str) -> bytes | None:
+    """The file's bytes, or None when there is no such file."""
     fs, path = filesystem(uri)
-    if not fs.exists(path):
-        return None
-    return json.loads(fs.cat_file(path))
+    return fs.cat_file(path) if fs.exists(path) else None
+
+
+def read_json(uri: str) -> dict[str, Any] | None:
+    data = read_bytes(uri)
+    return None if data is None else json.loads(data)
 
 
 def put_folder(local_dir: str, uri: str) -> list[str]:

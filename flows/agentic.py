@@ -154,7 +154,7 @@ def episodes(config: Config, engines, specs: list[EpisodeSpec], temperature: flo
                         config.agentic.runner, config.rollout.timeout_s, temperature, transcripts)
 
 
-def agentic_batch(config: Config, engines, state, step: int):
+def agentic_batch(config: Config, engines, positions: dict[str, int], step: int):
     """Step ``step``'s episodes as a ``ScoredBatch`` (``flows/rlvr.py``) whose ``agentic`` entry holds the
     step advantages and masked rows for ``compute_advantages``."""
     from flows.rlvr import ScoredBatch
@@ -172,7 +172,7 @@ def agentic_batch(config: Config, engines, state, step: int):
     metrics["reward/mean"] = sum(returns) / max(len(returns), 1)
     metrics["agentic/masked_frac"] = len(masked) / max(len(summaries), 1)
     return ScoredBatch(rollouts_ref, returns_ref, [s["group"] for s in summaries], [""] * len(summaries),
-                       {"env": [s["env"] for s in summaries]}, dict(state.domain_positions), metrics,
+                       {"env": [s["env"] for s in summaries]}, dict(positions), metrics,
                        agentic={"step_advantages": advantages, "masked_rows": masked}, samples=sample_rows(summaries))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 
 from prefect import flow
@@ -28,6 +29,7 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 from configs.placement import PlacementConfig
 from configs.schema import Config
 from flows.agentic import agentic_batch, agentic_eval, start_env_workers
+from flows.asynchrony import OneStepAhead, load_pending, pending_files, PENDING_FILE
 from flows.setup import (checkpoint_root, domain_rewards, load_domains, reserve_placement, stage_dir,
                          start_train_engine)
 from flows.stages import stage_key
@@ -279,6 +281,7 @@ class RLState:
     reward_moments: RunningMoments = field(default_factory=RunningMoments)  # reward_norm: running
     reward_failures: dict[str, int] = field(default_factory=dict)  # consecutive failing steps per domain
     resumed_from: list[int] = field(default_factory=list)  # the step each later attempt started from
+    weights_version: int = 0  # the policy's: the last step it trained (the version each sync sends)
 
     @property
     def data_position(self) -> int:
@@ -296,6 +299,8 @@ class RLState:
         state.reward_moments = RunningMoments(**data.get("reward_moments", {}))
         if not state.domain_positions and data.get("data_position"):
             state.domain_positions = {"default": data["data_position"]}
+        if "weights_version" not in data:  # saved before versions were kept: the version its resume synced
+            state.weights_version = state.step
         return state
 
 
@@ -342,7 +347,7 @@ def build_chunks(cfg: Config, engines: RLEngines, drawn: list, seed: int) -> lis
     return chunks
 
 
-def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState, step: int,
+def sample_batch(cfg: Config, engines: RLEngines, domains: list, positions: dict[str, int], step: int,
                  reward_failures: RewardFailureMonitor) -> ScoredBatch:
     """Generate and score ``prompts_per_step × group_size`` rollouts, each domain's share of them.
 
@@ -352,7 +357,7 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState,
     (``rollout/tokens``, ``perf/tokens_per_s``, …) count every round."""
     prompts_per_step, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     dynamic = cfg.algorithm.dynamic_sampling
-    positions, metrics, rounds, prompts, columns = state.domain_positions, {}, [], [], []
+    metrics, rounds, prompts, columns = {}, [], [], []
     room = prompts_per_step
     for round_index in range(dynamic.max_rounds if dynamic.enabled else 1):
         drawn, positions = draw(domains, positions)
@@ -391,16 +396,28 @@ def sample_batch(cfg: Config, engines: RLEngines, domains: list, state: RLState,
                        {k: [v for c in columns for v in c[k]] for k in columns[0]}, positions, metrics)
 
 
+def sample_step(cfg: Config, engines: RLEngines, domains: list, positions: dict[str, int], step: int,
+                reward_failures: RewardFailureMonitor) -> ScoredBatch:
+    """Step ``step``'s scored batch from data positions ``positions``: episodes for agentic RL, else prompts."""
+    if engines.env_workers:
+        return agentic_batch(cfg, engines, positions, step)
+    return sample_batch(cfg, engines, domains, positions, step, reward_failures)
+
+
 def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step: int, *,
-            reward_failures: RewardFailureMonitor) -> tuple[ScoredBatch, dict[str, float]]:
+            reward_failures: RewardFailureMonitor, ahead: OneStepAhead | None = None) -> tuple[ScoredBatch, dict[str, float]]:
     """One RL step: generate → score (→ refill) → compute_advantages → train (critic, then policy) →
-    sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics."""
+    sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics.
+
+    With ``ahead`` (``async.mode: one_step``) the batch was generated during the previous step's training;
+    taking it syncs the trainer's weights to the rollout engines and starts the next batch, so this step
+    ends without a sync."""
     alg = cfg.algorithm
     memory = engines.memory_phase("generate")
-    if engines.env_workers:
-        scored = agentic_batch(cfg, engines, state, step)
+    if ahead is not None:
+        scored = ahead.take(step, state.domain_positions, state.weights_version)
     else:
-        scored = sample_batch(cfg, engines, domains, state, step, reward_failures)
+        scored = sample_step(cfg, engines, domains, state.domain_positions, step, reward_failures)
     memory.update(engines.memory_phase("train"))
     metrics = scored.metrics
     with timed(metrics, "time/advantages"):
@@ -410,6 +427,7 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             trainer=engines.trainer if alg.old_logprobs == "trainer" else None, critic=engines.critic,
             kl_coef=state.kl_coef, moments=state.reward_moments,
             base_reference=engines.trainer if lora_reference(cfg) else None, agentic=scored.agentic,
+            policy_version=state.weights_version, max_version_lag=0 if ahead is None else 1,
             **(teacher_scoring(cfg, engines, scored) if engines.teachers else {}))
     metrics.update(advantage_metrics)
     if engines.critic is not None:
@@ -423,11 +441,16 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             objective = dataclasses.replace(objective, kl_coef=state.kl_coef)
         with timed(metrics, "time/train"):
             metrics.update(train(engines.trainer, batch_ref, objective, update_spec(cfg, step)))
+        if metrics.get("offpolicy/version_lag"):  # older weights sampled the batch: the drift is the lag, not the sync's
+            for key in ("sync/logprob_drift_max", "sync/logprob_drift_mean"):
+                metrics.pop(key, None)
     memory.update(engines.memory_phase("sync"))  # the trainer offloads, the rollout engines wake: sync, evaluation
     metrics.update(memory)
     if policy_trains:
-        with timed(metrics, "time/sync_weights"):
-            sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
+        state.weights_version = step
+        if ahead is None:
+            with timed(metrics, "time/sync_weights"):
+                sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
     if alg.kl.controller == "adaptive":
         state.kl_coef = adaptive_kl_coef(coef=state.kl_coef, observed_kl=advantage_metrics["kl/seq_mean"],
                                          target_kl=alg.kl.target, horizon=alg.kl.horizon,
@@ -504,24 +527,35 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     if latest is not None:
         state = RLState.from_json(restore(engines.train_engines, latest[1]))
         state.resumed_from.append(state.step)  # each attempt's starting checkpoint
-    sync_weights(engines.trainer, engines.rollouts, state.step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
+    sync = lambda version: sync_weights(engines.trainer, engines.rollouts, version, cfg.sync.bucket_mb,  # noqa: E731
+                                        adapter=cfg.model.lora is not None)
+    sync(state.weights_version)
+    reward_failures = RewardFailureMonitor(max_failure_rate=cfg.reward.max_failure_rate,
+                                           patience=cfg.reward.failure_patience, streaks=state.reward_failures)
+    ahead = None
+    if cfg.async_.mode == "one_step":
+        ahead = OneStepAhead(lambda step, positions: sample_step(cfg, engines, domains, positions, step, reward_failures),
+                             sync, state.weights_version, cfg.train.steps)
+        saved = store.read_bytes(store.join(latest[1], PENDING_FILE)) if latest is not None else None
+        if saved is not None:
+            ahead.restore(*load_pending(saved))
     if state.step == 0:
         accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
         state.heldout_accuracy["0"] = accuracy
         tracker.log_step("eval", 0, eval_metrics(accuracy, per_domain))
         tracker.log_samples("eval_step_000000", samples[: cfg.tracking.num_samples])
 
-    reward_failures = RewardFailureMonitor(max_failure_rate=cfg.reward.max_failure_rate,
-                                           patience=cfg.reward.failure_patience, streaks=state.reward_failures)
     progress = StageProgress("rl", cfg.train.steps, start=state.step,
                              keys=("reward/mean", "eval/heldout_accuracy", "time/step"))
-    with tracker.sent_on_error():  # a failing run's last metrics are the ones to see
+    with tracker.sent_on_error(), closing(ahead) if ahead is not None else nullcontext():  # a failing run's last metrics are the ones to see
         for step in range(state.step + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
             tracker.flush_if_due(cfg.tracking.flush_every_s)  # earlier steps' metrics, timed as part of this step
-            scored, metrics = rl_step(cfg, engines, domains, state, step, reward_failures=reward_failures)
+            scored, metrics = rl_step(cfg, engines, domains, state, step, reward_failures=reward_failures, ahead=ahead)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 with timed(metrics, "time/evaluate"):  # evaluation and its sample table
+                    if ahead is not None:
+                        ahead.settle(state.weights_version)  # the batch in flight done, the newest weights synced
                     accuracy, per_domain, samples = heldout_eval(cfg, engines, domains)
                     tracker.log_samples(f"eval_step_{step:06d}", samples[: cfg.tracking.num_samples])
                 state.heldout_accuracy[str(step)] = accuracy
@@ -538,7 +572,9 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
 
             if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
                 tracker.flush()  # before a checkpoint can claim these steps: a resume re-runs only unsent ones
-                checkpoint(engines.train_engines, run_dir, step, state.to_json(), cfg.checkpoint.keep)
+                extra = pending_files(ahead)  # waits for the batch in flight: its scoring counts in the streaks saved
+                state.reward_failures = reward_failures.state()
+                checkpoint(engines.train_engines, run_dir, step, state.to_json(), cfg.checkpoint.keep, quote(extra))
     progress.close()
     tracker.flush()
     save_model(engines.trainer, stage_dir(cfg, stage), state.step, state.to_json(), key=stage_key(cfg, stage, model_path))

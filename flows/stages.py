@@ -239,14 +239,15 @@ def config_changes(old: dict, new: BaseModel, prefix: str = "") -> dict[str, tup
     as JSON): sections compared field by field, other values (lists, option mappings, a section set on
     one side only) whole. A field ``old`` lacks was added to the schema since and is not compared."""
     changes: dict[str, tuple[Any, Any]] = {}
-    for name in type(new).model_fields:
-        if name not in old:
+    for name, field in type(new).model_fields.items():
+        key = field.alias or name  # as dumped and written in YAML (``async``)
+        if key not in old:
             continue
         value = getattr(new, name)
-        if isinstance(value, BaseModel) and isinstance(old[name], dict):
-            changes.update(config_changes(old[name], value, f"{prefix}{name}."))
-        elif (dumped := new.model_dump(mode="json", include={name})[name]) != old[name]:
-            changes[f"{prefix}{name}"] = (old[name], dumped)
+        if isinstance(value, BaseModel) and isinstance(old[key], dict):
+            changes.update(config_changes(old[key], value, f"{prefix}{key}."))
+        elif (dumped := new.model_dump(mode="json", include={name})[key]) != old[key]:
+            changes[f"{prefix}{key}"] = (old[key], dumped)
     return changes
 
 

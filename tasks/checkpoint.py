@@ -8,17 +8,21 @@ from tasks.common import TASK_DEFAULTS
 
 
 @task(name="checkpoint", retries=0, **TASK_DEFAULTS)
-def checkpoint(train_engines: dict, run_dir: str, step: int, state: dict, keep: int) -> str:
-    """Save each engine's state under its role (``policy/``, ``critic/``) and ``state`` (data position,
-    MLflow run id, …), then the manifest, then prune.
+def checkpoint(train_engines: dict, run_dir: str, step: int, state: dict, keep: int,
+               extra_files: dict[str, bytes] | None = None) -> str:
+    """Save each engine's state under its role (``policy/``, ``critic/``), ``state`` (data position,
+    MLflow run id, …) and ``extra_files`` (name → bytes: the batch generated ahead, ``flows/asynchrony.py``), then
+    the manifest, then prune.
 
     Any failed write raises before the manifest exists, so the previous checkpoint stays the newest."""
     uri = store.step_dir(run_dir, step)
     try:
         saved = {role: engine.save.remote(store.join(uri, role)) for role, engine in train_engines.items()}
         files = [f"{role}/{name}" for role, ref in saved.items() for name in ray.get(ref)]
+        for name, data in (extra_files or {}).items():
+            store.write_bytes(store.join(uri, name), data)
         store.write_json(store.join(uri, "state.json"), {**state, "step": step})
-        store.write_manifest(uri, step, [*files, "state.json"])
+        store.write_manifest(uri, step, [*files, *(extra_files or {}), "state.json"])
     except Exception as exc:
         cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the actor's exception
         raise CheckpointError(f"checkpoint of step {step} to {uri} failed ({type(cause).__name__}: {cause}); "

@@ -36,7 +36,9 @@ def _cli(run_dir: Path, prefect_home: Path, overrides: list[str]) -> subprocess.
 ENGINES = {"hf": ["rollout.engine=hf"], "vllm": ["rollout.engine=vllm"],
            "fsdp2": ["train.engine=fsdp2", "train.ranks=2"],
            "deepspeed-zero3": ["train.engine=deepspeed", "train.ranks=2", "train.deepspeed.stage=3"],
-           "lora": ["model.lora.r=8", "train.optim.lr=1e-3"]}  # with LoRA the KL reference is the trainer's base
+           "lora": ["model.lora.r=8", "train.optim.lr=1e-3"],  # with LoRA the KL reference is the trainer's base
+           # rollout one step ahead: the checkpoint holds the batch sampled with weights it no longer has
+           "one_step": ["async.mode=one_step", "algorithm.old_logprobs=trainer", "algorithm.correction=tis"]}
 
 
 @pytest.mark.parametrize("engine", [pytest.param(name, marks=[pytest.mark.vllm] if name == "vllm" else [])
