@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import field_validator
+
 from configs.sections import Section
 
 
@@ -17,3 +19,8 @@ class AsyncConfig(Section):
     mode: Literal["off", "one_step"] = "off"
     """off: generate, then train, every step; one_step: generate the next step's batch while training on this
     one, one weight version behind (flows/asynchrony.py)."""
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        return "off" if value is False else value  # YAML reads a bare ``off`` as false

@@ -89,3 +89,10 @@ def test_take_refuses_a_batch_of_another_step():
     with pytest.raises(RuntimeError, match="step 2's, but step 3"):
         ahead.take(3, {}, 1)
     ahead.close()
+
+
+@pytest.mark.parametrize("text, mode", [("off", "off"), ("one_step", "one_step"), ("'off'", "off")])
+def test_async_mode_in_yaml(text, mode):
+    from configs.loader import load_config
+
+    assert load_config("configs/tiny.yaml", [f"async.mode={text}"]).async_.mode == mode

@@ -1,0 +1,90 @@
+"""Throughput of asynchronous RL against synchronous, through the real flow (Ray actors, Prefect tasks,
+MLflow in a scratch sqlite store), in one run.
+
+A disaggregated placement on a CPU: every engine runs one torch thread (``run.torch_threads=1``), so the
+rollout engine and the trainer each keep one core busy (the CPU analogue of separate GPU pools). Response
+lengths have a long tail: generation stops at the first of ``stops`` tokens (each about 1/vocabulary
+likely under the untrained model) or at ``max_new_tokens``. Each mode runs ``steps`` RL steps of
+``prompts`` x 8 completions from the same model and seed, at a learning rate (1e-9) that leaves the
+samples, and with them the work per step, the same in both modes; the figure is samples trained per second over
+the steps after the first (whose batch nobody generated ahead), evaluation and checkpoints off.
+
+    python bench/async_rl.py [steps=12] [prompts=8] [max_new_tokens=64] [size=bench] [engine=hf]
+
+Last line: ``async_one_step_speedup <one_step samples/s ÷ off samples/s> goal >=1.3``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODES = ("off", "one_step")
+STOPS = "['9']"
+
+
+def run_mode(mode: str, scratch: str, model_dir: str, args: dict) -> dict:
+    """One run in ``mode``; its samples trained per second, step-time and generation-time medians."""
+    from mlflow.tracking import MlflowClient
+
+    from configs.loader import load_config
+    from flows.pipeline import run_flow
+
+    run_dir = f"{scratch}/{mode}"
+    engine = args.get("engine", "hf")
+    config = load_config("configs/tiny.yaml", [
+        f"run.dir={run_dir}", f"run.name=bench-async-{mode}", "model.source=hf", f"model.path={model_dir}",
+        "run.torch_threads=1", f"async.mode={mode}", "algorithm.old_logprobs=trainer", f"rollout.engine={engine}",
+        f"train.steps={args['steps']}", "train.optim.lr=1e-9", f"rollout.prompts_per_step={args['prompts']}", "rollout.group_size=8",
+        f"rollout.max_new_tokens={args['max_new_tokens']}", f"rollout.stop={STOPS}", "train.micro_batch_size=16",
+        "eval.every=0", "eval.num_prompts=8", "checkpoint.every=1000", "tracking.sample_every=0",
+        "tracking.log_model=false", "tracking.register_model=false"])
+    start = time.perf_counter()
+    result = run_flow(config)
+    wall = time.perf_counter() - start
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    history = {key: [m.value for m in sorted(client.get_metric_history(result["mlflow_run_id"], key), key=lambda m: m.step)]
+               for key in ("time/step", "time/train", "response/length_mean", "response/length_max")}
+    later = history["time/step"][1:-1]  # the first step waits for its own batch; the last one evaluates
+    samples = args["prompts"] * 8 * len(later)
+    return {"samples_per_s": samples / sum(later), "step_s": sorted(later)[len(later) // 2],
+            "train_s": sorted(history["time/train"])[len(later) // 2], "wall_s": wall,
+            "length_mean": sum(history["response/length_mean"]) / len(history["response/length_mean"]),
+            "length_max": max(history["response/length_max"])}
+
+
+def main(argv: list[str]) -> dict:
+    for key, value in {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                       "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}.items():
+        os.environ.setdefault(key, value)
+    from bench.common import arithmetic_rows, build_model, result_line, scratch_dir
+    from flows.setup import ensure_ray, start_prefect_server
+
+    args = dict(a.split("=", 1) for a in argv)
+    args = {"steps": int(args.get("steps", 12)), "prompts": int(args.get("prompts", 8)),
+            "max_new_tokens": int(args.get("max_new_tokens", 64)), "size": args.get("size", "bench"),
+            "engine": args.get("engine", "hf")}
+    scratch = scratch_dir("async")
+    train, _ = arithmetic_rows()
+    model_dir = build_model(args["size"], f"{scratch}/model", train, max_positions=128)
+    ensure_ray()
+    start_prefect_server()
+    print(f"{args['steps']} steps of {args['prompts']} x 8 completions, <= {args['max_new_tokens']} tokens (stop at "
+          f"{STOPS}), model size {args['size']}, rollout engine {args['engine']}, torch_threads 1 per engine")
+    results = {}
+    for mode in MODES:
+        results[mode] = figures = run_mode(mode, scratch, model_dir, args)
+        print(f"{mode:<10} {figures['samples_per_s']:7.1f} samples/s   step {figures['step_s']:.2f} s   "
+              f"train {figures['train_s']:.2f} s   response length mean {figures['length_mean']:.1f} "
+              f"max {figures['length_max']:.0f}   ({figures['wall_s']:.0f} s with start-up)", flush=True)
+    speedup = results["one_step"]["samples_per_s"] / results["off"]["samples_per_s"]
+    print(result_line("async_one_step_speedup", speedup, ">=", 1.3))
+    return {"value": speedup, **{f"{mode}_{k}": v for mode, r in results.items() for k, v in r.items()}}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
