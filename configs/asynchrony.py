@@ -1,6 +1,7 @@
 """Config section ``async:`` (the field ``Config.async_``): whether rollout runs ahead of training.
 
 ``off``: each step generates with the weights the trainer has just produced, then trains on that batch.
+``full``: rollout never waits for the trainer; see ``flows/asynchrony.py``'s ``RolloutStream``.
 ``one_step``: the rollout engines generate step k+1's batch while the trainer trains on step k's, with the
 weights from before step k's update; each batch is one weight version behind the trainer (the first none),
 on a fixed schedule, so a run is as deterministic as a synchronous one and resumes bit-exactly (the batch
@@ -10,15 +11,27 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator, model_validator
 
+from configs.checks import CheckError
 from configs.sections import Section
 
 
 class AsyncConfig(Section):
-    mode: Literal["off", "one_step"] = "off"
+    mode: Literal["off", "one_step", "full"] = "off"
     """off: generate, then train, every step; one_step: generate the next step's batch while training on this
-    one, one weight version behind (flows/asynchrony.py)."""
+    one, one weight version behind; full: rollout runs continuously, a batch trains as soon as enough
+    groups have finished, within max_staleness versions (flows/asynchrony.py)."""
+    max_staleness: int = Field(1, ge=0)
+    """full: the most weight versions a trained group may be behind the trainer (η); new groups start only
+    while that holds for every group that could still be trained (AReaL's admission rule)."""
+
+    @model_validator(mode="after")
+    def _staleness_only_for_full(self):
+        if "max_staleness" in self.model_fields_set and self.mode != "full":
+            raise CheckError(("max_staleness",), f"async.max_staleness bounds async.mode full, not {self.mode!r}; "
+                             "remove it or set async.mode=full")
+        return self
 
     @field_validator("mode", mode="before")
     @classmethod

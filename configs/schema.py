@@ -680,6 +680,14 @@ class Config(Section):
             what = "prompt groups (mini-batches keep groups whole)" if keep_groups else "rows"
             raise CheckError(("train.mini_batches", "rollout.prompts_per_step"), f"train.mini_batches "
                                   f"({self.train.mini_batches}) exceeds the {units} {what} of a rollout batch; lower it")
+        if self.async_.mode == "full":
+            if "agentic" in self.stage_names():
+                raise CheckError(("async.mode",), "async.mode full streams prompt groups; agentic RL batches turns "
+                                 "with agentic.runner async instead; use async.mode off or one_step")
+            if self.algorithm.dynamic_sampling.enabled:
+                raise CheckError(("async.mode", "algorithm.dynamic_sampling.enabled"),
+                                 "async.mode full forms batches from groups as they finish; dynamic sampling's "
+                                 "refill rounds have no place there; disable one of them")
         colocated = [g for g in (self.placement.colocate if self.placement else []) if "rollout" in g]
         if self.async_.mode != "off" and colocated:
             raise CheckError(("async.mode", "placement.colocate"),

@@ -159,7 +159,7 @@ def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
         response_lengths=torch.cat([part.response_lengths[idx] for part, idx in zip(parts, rows)]),
         finish_reasons=[r for part, idx in zip(parts, rows) for r in pick(part.finish_reasons, idx)],
         completions=[c for part, idx in zip(parts, rows) for c in pick(part.completions, idx)],
-        weights_version=parts[0].weights_version,
+        weights_version=min(part.weights_version for part in parts),  # the oldest weights that sampled a row
         compute_seconds=sum(part.compute_seconds for part in parts),
         response_loss_mask=joined(Rollouts.model_token_mask) if multi_turn else None,
         response_turn_index=joined(Rollouts.turn_index) if multi_turn else None,

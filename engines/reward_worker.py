@@ -25,6 +25,14 @@ class RewardWorker:
     def score(self, rollouts: Rollouts, prompts: list[str], columns: dict[str, list], spec: ScoreSpec):
         return score_rollouts(rollouts, prompts, columns, spec)
 
+    def score_rows(self, rollouts: Rollouts, rows: list[int], prompts: list[str], columns: dict[str, list],
+                   spec: ScoreSpec):
+        """``(those rows' Rollouts, their rewards, stats)`` for rows ``rows`` of ``rollouts`` (one prompt group
+        of a generation call that held several); ``prompts`` and ``columns`` are those rows' already."""
+        part = concat_rollouts([rollouts], [rows])
+        rewards, stats = score_rollouts(part, prompts, columns, spec)
+        return part, rewards, stats
+
     def advantage_batch(self, rollouts: Rollouts, rewards: torch.Tensor, group_ids: torch.Tensor | list[int],
                         spec: AdvantageSpec, *teacher_parts: torch.Tensor, teacher_rows: list[list[int]] = (),
                         **kwargs):

@@ -55,7 +55,7 @@ def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, li
         "truncated": sum(r == "length" for r in rollouts.finish_reasons), "events": scoring.events,
         "generate_s": rollouts.compute_seconds, "score_s": time.perf_counter() - start,
         "reward": spec.reward, "distinct": len(unique), "failed": scoring.failed,
-        "first_failure": scoring.first_failure,
+        "first_failure": scoring.first_failure, "weights_version": rollouts.weights_version,
     }
     return rewards, stats
 

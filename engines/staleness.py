@@ -30,6 +30,7 @@ class StalenessBound:
     trained_batches: int = 0  # batches formed: the trainer's version when it takes the next one
     finished: list[tuple[object, int]] = field(default_factory=list)  # (unit, version it started with), in finishing order
     dropped: int = 0  # finished units too stale to train
+    dropped_units: list = field(default_factory=list)  # those units, for the caller to take (and requeue)
     aborted: int = 0  # running units stopped because no batch within the bound could take them
 
     def __post_init__(self) -> None:
@@ -66,6 +67,7 @@ class StalenessBound:
         aborts running units started before ``oldest_trainable()`` after each batch (``abort_before``)."""
         oldest = self.oldest_trainable()
         fresh = [(unit, version) for unit, version in self.finished if version >= oldest]
+        self.dropped_units += [unit for unit, version in self.finished if version < oldest]
         self.dropped += len(self.finished) - len(fresh)
         self.started -= len(self.finished) - len(fresh)
         self.finished = fresh

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import closing, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prefect import flow
 from prefect.utilities.annotations import quote  # large task arguments: Prefect need not walk them (no futures inside)
@@ -29,7 +30,7 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 from configs.placement import PlacementConfig
 from configs.schema import Config
 from flows.agentic import agentic_batch, agentic_eval, start_env_workers
-from flows.asynchrony import OneStepAhead, load_pending, pending_files, PENDING_FILE
+from flows.asynchrony import PENDING_FILE, OneStepAhead, RolloutStream, load_pending, pending_files
 from flows.setup import (checkpoint_root, domain_rewards, load_domains, reserve_placement, stage_dir,
                          start_train_engine)
 from flows.stages import stage_key
@@ -72,6 +73,14 @@ class RLEngines:
     colocated: tuple[str, ...] = ()  # training roles sharing the rollout engines' GPUs: they take turns
     teachers: dict = field(default_factory=dict)  # on-policy distillation: teacher name -> its scoring engine
     env_workers: list = field(default_factory=list)  # agentic RL: the environment workers
+    start_rollout: Callable[[int], object] | None = None  # (re)starts rollout replica i, as at the run's start
+
+    def replace_rollout(self, replica: int, sync: Callable[[list, int], None] | None = None, version: int = 0) -> None:
+        """A new engine for rollout replica ``replica`` (its actor died); ``sync(engines, version)`` then gives
+        it the trainer's weights, labelled ``version``, when given."""
+        self.rollouts[replica] = self.start_rollout(replica)
+        if sync is not None:
+            sync([self.rollouts[replica]], version)
 
     @property
     def swapped(self) -> list:
@@ -139,9 +148,11 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         role = name.split("/", 1)[1].split("#")[0]
         if role.startswith("rollout") and role not in roles:
             stop_named(name)
-    rollouts = [start_engine(f"rollout/{config.rollout.engine}", role=role, **where("rollout", i),
-                             **rollout_engine_options(config, common))
-                for i, role in enumerate(roles)]
+    def start_rollout(i: int):
+        return start_engine(f"rollout/{config.rollout.engine}", role=roles[i], **where("rollout", i),
+                            **rollout_engine_options(config, common))
+
+    rollouts = [start_rollout(i) for i in range(len(roles))]
     trainer = start_train_engine(config, "trainer", placement, optim=optim, seed=config.run.seed,
                                  micro_batch_size=config.train.micro_batch_size, temperature=temperature,
                                  packing=config.train.packing, share_prompts=config.train.share_prompts,
@@ -174,7 +185,7 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
     stop_ids = stop_token_ids(tokenizer, config.rollout.stop)
     env_workers = start_env_workers(config, model_path, stop_ids) if stage == "agentic" else []
     return RLEngines(rollouts, trainer, reference, critic, reward_workers, judge, tokenizer.pad_token_id,
-                     stop_ids, placement, colocated_with_rollout(config), teachers, env_workers)
+                     stop_ids, placement, colocated_with_rollout(config), teachers, env_workers, start_rollout)
 
 
 def check_teacher_placement(config: Config, teachers: int, reference: bool) -> None:
@@ -282,6 +293,8 @@ class RLState:
     reward_failures: dict[str, int] = field(default_factory=dict)  # consecutive failing steps per domain
     resumed_from: list[int] = field(default_factory=list)  # the step each later attempt started from
     weights_version: int = 0  # the policy's: the last step it trained (the version each sync sends)
+    untrained_groups: int = 0  # async.mode full: groups drawn, not trained when the checkpoint was taken
+    discarded_groups: int = 0  # async.mode full: such groups of the checkpoints resumed from (lost, counted)
 
     @property
     def data_position(self) -> int:
@@ -405,17 +418,24 @@ def sample_step(cfg: Config, engines: RLEngines, domains: list, positions: dict[
 
 
 def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step: int, *,
-            reward_failures: RewardFailureMonitor, ahead: OneStepAhead | None = None) -> tuple[ScoredBatch, dict[str, float]]:
+            reward_failures: RewardFailureMonitor, ahead: OneStepAhead | None = None,
+            stream: RolloutStream | None = None) -> tuple[ScoredBatch, dict[str, float]]:
     """One RL step: generate → score (→ refill) → compute_advantages → train (critic, then policy) →
     sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics.
 
     With ``ahead`` (``async.mode: one_step``) the batch was generated during the previous step's training;
     taking it syncs the trainer's weights to the rollout engines and starts the next batch, so this step
-    ends without a sync."""
+    ends without a sync. With ``stream`` (``async.mode: full``) the batch is the first ``prompts_per_step``
+    groups the continuous rollout finished; dead rollout replicas are replaced before the sync."""
     alg = cfg.algorithm
+    sync = lambda targets, version: sync_weights(engines.trainer, targets, version, cfg.sync.bucket_mb,  # noqa: E731
+                                                 adapter=cfg.model.lora is not None)
     memory = engines.memory_phase("generate")
     if ahead is not None:
         scored = ahead.take(step, state.domain_positions, state.weights_version)
+    elif stream is not None:
+        scored = stream.next_batch(step, state.weights_version,
+                                   lambda replica: engines.replace_rollout(replica, sync, state.weights_version))
     else:
         scored = sample_step(cfg, engines, domains, state.domain_positions, step, reward_failures)
     memory.update(engines.memory_phase("train"))
@@ -427,7 +447,7 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
             trainer=engines.trainer if alg.old_logprobs == "trainer" else None, critic=engines.critic,
             kl_coef=state.kl_coef, moments=state.reward_moments,
             base_reference=engines.trainer if lora_reference(cfg) else None, agentic=scored.agentic,
-            policy_version=state.weights_version, max_version_lag=0 if ahead is None else 1,
+            policy_version=state.weights_version, max_version_lag=max_version_lag(cfg),
             **(teacher_scoring(cfg, engines, scored) if engines.teachers else {}))
     metrics.update(advantage_metrics)
     if engines.critic is not None:
@@ -450,7 +470,10 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
         state.weights_version = step
         if ahead is None:
             with timed(metrics, "time/sync_weights"):
-                sync_weights(engines.trainer, engines.rollouts, step, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
+                if stream is not None:  # a dead replica gets a new engine, and the sync its weights
+                    stream.sync(sync, step, engines.replace_rollout)
+                else:
+                    sync(engines.rollouts, step)
     if alg.kl.controller == "adaptive":
         state.kl_coef = adaptive_kl_coef(coef=state.kl_coef, observed_kl=advantage_metrics["kl/seq_mean"],
                                          target_kl=alg.kl.target, horizon=alg.kl.horizon,
@@ -459,6 +482,18 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     state.step, state.domain_positions, state.reward_moments = step, scored.positions, moments
     state.reward_failures = reward_failures.state()
     return scored, metrics
+
+
+def call_sampling(cfg: Config, engines: RLEngines, call: int) -> SamplingParams:
+    """Sampling of ``async.mode: full``'s generation call number ``call`` (seeded by the run seed and it)."""
+    return SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                          top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=engines.stop_token_ids,
+                          seed=(cfg.run.seed * 1_000_003 + call) * 101 + 7)
+
+
+def max_version_lag(cfg: Config) -> int:
+    """The most weight versions a batch may be behind the trainer in ``async.mode``."""
+    return {"off": 0, "one_step": 1, "full": cfg.async_.max_staleness}[cfg.async_.mode]
 
 
 def teacher_scoring(cfg: Config, engines: RLEngines, scored: ScoredBatch) -> dict:
@@ -527,6 +562,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
     if latest is not None:
         state = RLState.from_json(restore(engines.train_engines, latest[1]))
         state.resumed_from.append(state.step)  # each attempt's starting checkpoint
+        state.discarded_groups, state.untrained_groups = state.discarded_groups + state.untrained_groups, 0
     sync = lambda version: sync_weights(engines.trainer, engines.rollouts, version, cfg.sync.bucket_mb,  # noqa: E731
                                         adapter=cfg.model.lora is not None)
     sync(state.weights_version)
@@ -545,13 +581,25 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
         tracker.log_step("eval", 0, eval_metrics(accuracy, per_domain))
         tracker.log_samples("eval_step_000000", samples[: cfg.tracking.num_samples])
 
+    stream = None
+    if cfg.async_.mode == "full" and state.step < cfg.train.steps:  # after the evaluation: its weights are v0's alone
+        stream = RolloutStream(cfg, engines, domains, state.domain_positions, state.weights_version,
+                               lambda call: call_sampling(cfg, engines, call),
+                               lambda domain: score_spec(cfg, domain, engines))
+
     progress = StageProgress("rl", cfg.train.steps, start=state.step,
                              keys=("reward/mean", "eval/heldout_accuracy", "time/step"))
-    with tracker.sent_on_error(), closing(ahead) if ahead is not None else nullcontext():  # a failing run's last metrics are the ones to see
+    with tracker.sent_on_error(), ExitStack() as closes:  # a failing run's last metrics are the ones to see
+        for background in (ahead, stream):
+            if background is not None:
+                closes.callback(background.close)
         for step in range(state.step + 1, cfg.train.steps + 1):
             step_start = time.perf_counter()
             tracker.flush_if_due(cfg.tracking.flush_every_s)  # earlier steps' metrics, timed as part of this step
-            scored, metrics = rl_step(cfg, engines, domains, state, step, reward_failures=reward_failures, ahead=ahead)
+            scored, metrics = rl_step(cfg, engines, domains, state, step, reward_failures=reward_failures, ahead=ahead,
+                                      stream=stream)
+            if stream is not None:
+                metrics["async/discarded_groups"] = float(state.discarded_groups)
             if step == cfg.train.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 with timed(metrics, "time/evaluate"):  # evaluation and its sample table
                     if ahead is not None:
@@ -574,6 +622,8 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
                 tracker.flush()  # before a checkpoint can claim these steps: a resume re-runs only unsent ones
                 extra = pending_files(ahead)  # waits for the batch in flight: its scoring counts in the streaks saved
                 state.reward_failures = reward_failures.state()
+                if stream is not None:  # the data position after every group drawn; those not trained yet, counted
+                    state.domain_positions, state.untrained_groups = stream.snapshot()
                 checkpoint(engines.train_engines, run_dir, step, state.to_json(), cfg.checkpoint.keep, quote(extra))
     progress.close()
     tracker.flush()

@@ -1,6 +1,7 @@
-"""``async.mode: one_step`` end to end (real Ray, Prefect, MLflow): every batch after the first is one weight
-version behind, the correction and mismatch metrics are logged, and each checkpoint holds the batch
-generated ahead of it."""
+"""Asynchronous RL end to end (real Ray, Prefect, MLflow). ``one_step``: every batch after the first is one
+weight version behind, the correction and mismatch metrics are logged, and each checkpoint holds the batch
+generated ahead of it. ``full``: no trained group is more than ``async.max_staleness`` versions behind, the
+data drawn is accounted for, and a rollout engine killed mid-generation is replaced while the run goes on."""
 
 from __future__ import annotations
 
@@ -46,3 +47,81 @@ def test_one_step_flow_trains_one_version_behind(tmp_path, ray_cluster, prefect_
     assert len(scored.group_ids) == len(rollouts.completions) == config.rollout.prompts_per_step * config.rollout.group_size
     step4 = store.step_dir(str(run_dir), 4)
     assert store.read_bytes(store.join(step4, PENDING_FILE)) is None
+
+
+def _history(run_dir, run_id: str, key: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+@pytest.mark.parametrize("eta", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_full_flow_keeps_every_batch_within_the_staleness_bound(eta, tmp_path, ray_cluster, prefect_server):
+    from engines import checkpoint_store as store
+    from flows.pipeline import run_flow
+
+    run_dir = tmp_path / "run"
+    steps = 6
+    config = load_config("configs/tiny.yaml", [
+        f"run.dir={run_dir}", f"run.name=full-{eta}", f"train.steps={steps}", "checkpoint.every=3", "eval.every=3",
+        "async.mode=full", f"async.max_staleness={eta}", "algorithm.old_logprobs=trainer",
+        "algorithm.entropy_coef=0.01", "run.torch_threads=1"])
+    result = run_flow(config)
+    run_id = result["mlflow_run_id"]
+    lag_max, lag_mean = _history(run_dir, run_id, "async/version_lag_max"), _history(run_dir, run_id, "async/version_lag_mean")
+    assert sorted(lag_max) == list(range(1, steps + 1))
+    assert lag_max[1] == 0 and max(lag_max.values()) <= eta  # the first batch: nothing trained before it
+    assert max(lag_max.values()) >= 1  # rollout ran ahead of the trainer
+    # the per-lag counts add up to the batch's groups, and agree with the mean
+    for step in range(1, steps + 1):
+        counts = [_history(run_dir, run_id, f"async/version_lag_{lag}")[step] for lag in range(eta + 1)]
+        assert sum(counts) == config.rollout.prompts_per_step
+        assert sum(lag * c for lag, c in enumerate(counts)) / sum(counts) == pytest.approx(lag_mean[step])
+    # the trainer's check agrees: the oldest group of each batch
+    assert _history(run_dir, run_id, "offpolicy/version_lag") == lag_max
+    state = store.read_json(store.join(store.step_dir(str(run_dir), 3), "state.json"))
+    drawn = sum(state["domain_positions"].values())
+    assert drawn == 3 * config.rollout.prompts_per_step + state["untrained_groups"]  # nothing lost unseen
+    assert set(result["heldout_accuracy"]) == {"0", "3", "6"}
+
+
+def test_full_flow_replaces_a_rollout_engine_killed_mid_generation(tmp_path, ray_cluster, prefect_server):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    overrides = [f"run.dir={run_dir}", "run.name=full-kill", "train.steps=10", "checkpoint.every=2", "eval.every=0",
+                 "async.mode=full", "async.max_staleness=1", "run.torch_threads=1", "rollout.max_new_tokens=32"]
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides], cwd=root,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        manifest = run_dir / "checkpoints" / "step_000002" / "MANIFEST.json"
+        deadline = time.monotonic() + 300
+        while not manifest.exists():
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
+            time.sleep(0.2)
+        rollout_pid = json.loads((run_dir / "engines.json").read_text())["rollout"]["pid"]
+        os.kill(rollout_pid, signal.SIGKILL)  # the stream keeps it generating: killed mid-generation
+        output = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    [run] = client.search_runs(client.get_experiment_by_name("rollflow").experiment_id)
+    restarts = _history(run_dir, run.info.run_id, "async/engine_restarts")
+    assert sorted(restarts) == list(range(1, 11))  # every step trained, none twice
+    assert restarts[10] >= 1 and restarts[1] == 0
+    assert (run_dir / "final" / "model.safetensors").exists()
