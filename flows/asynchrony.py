@@ -1,6 +1,7 @@
-"""Rollout one step ahead of training (``async.mode: one_step``, ``configs/asynchrony.py``).
+"""Rollout ahead of training: ``async.mode: one_step`` (``OneStepAhead``) and ``full`` (``RolloutStream``),
+set in ``configs/asynchrony.py``.
 
-Step k's batch is generated while the trainer trains on step k-1's, so generation and training overlap
+``one_step``: step k's batch is generated while the trainer trains on step k-1's, so generation and training overlap
 instead of waiting for each other. The schedule is fixed::
 
     take(k):  wait for batch k  →  sync the trainer's weights (version k-1) to the rollout engines
@@ -15,7 +16,9 @@ checkpoint no longer holds, and a resumed run takes it instead of sampling it ag
 bit-exactly.
 
 The batch in flight is sampled on a thread of the flow's process in a copy of its context, so its tasks
-are tasks of the flow run; the sampling itself runs in the rollout engines and reward workers (Ray)."""
+are tasks of the flow run; the sampling itself runs in the rollout engines and reward workers (Ray).
+
+``full``: rollout never waits for the trainer, within a staleness bound (``RolloutStream``)."""
 
 from __future__ import annotations
 
@@ -111,7 +114,7 @@ def pending_files(ahead: OneStepAhead | None) -> dict[str, bytes]:
 def load_pending(data: bytes):
     """``(step, ScoredBatch)`` from ``pending_files``' bytes; its rollouts and rewards go back into Ray."""
     from engines.types import Rollouts
-    from flows.rlvr import ScoredBatch
+    from flows.sampling import ScoredBatch
 
     saved = torch.load(io.BytesIO(data), weights_only=True)
     rollouts = Rollouts(**saved["rollouts"])
@@ -180,7 +183,7 @@ class RolloutStream:
     def next_batch(self, step: int, trainer_version: int, replace_dead: Callable[[int], None]):
         """Step ``step``'s ``ScoredBatch``, once ``prompts_per_step`` groups within the bound have finished;
         replaces dead replicas while waiting (the trainer is idle: the weights it syncs are its version)."""
-        from flows.rlvr import ScoredBatch
+        from flows.sampling import ScoredBatch
 
         start = time.perf_counter()
         while True:

@@ -32,7 +32,8 @@ def metric_history(client, run_id: str, key: str) -> list[float]:
 def test_teacher_scoring_routes_rows_and_groups_metrics():
     from types import SimpleNamespace
 
-    from flows.rlvr import ScoredBatch, teacher_scoring
+    from flows.rlvr import teacher_scoring
+    from flows.sampling import ScoredBatch
 
     domains = "[{name: m, reward: math, share: 4, source: arithmetic}, {name: n, reward: math, share: 4, source: arithmetic}]"
     config = load_config("configs/tiny.yaml", ["kind=onpolicy_distill", "data.source=domains", f"data.domains={domains}",
