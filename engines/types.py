@@ -25,6 +25,10 @@ class SamplingParams:
     # one seed per row, each row sampled from its own generator: a row's completion then does not depend
     # on the other rows of the call (agentic rollouts batch the turns of independent episodes)
     row_seeds: tuple[int, ...] = ()
+    # a weight update that lands while rows are decoding (an engine that takes updates between decoding
+    # steps): "keep" decodes on with the new weights (``Rollouts.token_versions`` records each token's),
+    # "abort" stops the rows still decoding (finish reason "abort")
+    on_weight_update: str = "keep"
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,15 @@ class Rollouts:
     response_ids: torch.Tensor  # [B, T] int64
     logprobs: torch.Tensor  # [B, T] float32
     response_lengths: torch.Tensor  # [B] int64, tokens generated including a stop token
-    finish_reasons: list[str]  # B of "stop" | "length"
+    finish_reasons: list[str]  # B of "stop" | "length" | "abort" (a weight update stopped the row)
     completions: list[str]  # B decoded responses, stop token stripped
     weights_version: int
     compute_seconds: float = 0.0  # wall time inside the engine's generate call
     response_loss_mask: torch.Tensor | None = None  # [B, T] float32, 1 on model tokens, 0 on observations
     response_turn_index: torch.Tensor | None = None  # [B, T] int64, k >= 1 on the k-th segment's tokens
+    # [B, T] int64, the weights version that produced each token, when a weight update landed during the call
+    # (a partial rollout); None: every token is ``weights_version``'s
+    token_versions: torch.Tensor | None = None
 
     def model_token_mask(self) -> torch.Tensor:
         """``[B, T]`` float32: ``response_loss_mask``, or 1 everywhere (every sampled token is the model's)."""

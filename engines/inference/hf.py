@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -85,6 +86,9 @@ class HFInferenceEngine:
         self._full_checksum: str | None = None  # the weights of the last whole update, while held unmerged
         self._lora: AdapterMerger | None = None  # a LoRA base and the adapter merged into it
         self._home: torch.device | None = None  # where offload() took the weights from; None while loaded
+        # Held by each forward pass and each weight update: in a threaded actor an update lands between
+        # two decoding steps of a generate call, never inside one (partial rollouts, ``on_weight_update``)
+        self._gate = threading.Condition(threading.RLock())
 
     # -- weights: versioned updates (engines.protocols) ----------------------------------------------
     def begin_update(self, version: int) -> None:
@@ -92,8 +96,9 @@ class HFInferenceEngine:
         if self._update is not None and self._update.version != version:
             raise RuntimeError(f"weight update v{self._update.version} is still open: commit it before "
                                f"begin_update({version})")
-        self._own_weights()
-        self._update = _OpenUpdate(version, dict(self.model.named_parameters()))
+        with self._gate:  # generation pauses before its next step until commit
+            self._own_weights()
+            self._update = _OpenUpdate(version, dict(self.model.named_parameters()))
 
     def _own_weights(self) -> None:
         """Parameters that are views of the trainer's shared slots get storage of their own (before writing)."""
@@ -134,26 +139,30 @@ class HFInferenceEngine:
         if missing:
             raise ValueError(f"weight update v{version} is incomplete: {len(missing)} of {len(update.params)} "
                              f"parameters not received, e.g. {missing[0]!r}")
-        self._update, self._version = None, version
+        with self._gate:
+            self._update, self._version = None, version
+            self._gate.notify_all()
         return UpdateReport(version, self._held_whole(weights_checksum(self.model)), update.tensors, update.nbytes)
 
     def update_weights(self, version: int, buckets: list[Bucket]) -> str:
         """A whole update in one call (one Ray round trip): begin, receive every bucket, commit; returns
         the new checksum."""
-        self.begin_update(version)
-        for bucket in buckets:
-            self.receive(bucket)
-        return self.commit(version).checksum
+        with self._gate:  # one update: no decoding step in between
+            self.begin_update(version)
+            for bucket in buckets:
+                self.receive(bucket)
+            return self.commit(version).checksum
 
     def update_weights_shared(self, shared: SharedWeights | None) -> str | None:
         """Point the parameters into the trainer's shared-memory slot; returns the new checksum, or None
         when that slot is not reachable from here (another node, no slot), so the caller sends buckets."""
         if shared is None or shared.node_id != node_id() or not os.path.exists(shared.path):
             return None
-        self._check_ready("update_weights_shared()")
-        self._shared = self._shared or SharedWeightReader()
-        checksum = self._held_whole(self._shared.load(self.model, shared))
-        self._version = shared.version
+        with self._gate:
+            self._check_ready("update_weights_shared()")
+            self._shared = self._shared or SharedWeightReader()
+            checksum = self._held_whole(self._shared.load(self.model, shared))
+            self._version = shared.version
         return checksum
 
     def update_weights_cuda_ipc(self, weights: CudaWeights | None) -> str | None:
@@ -161,25 +170,27 @@ class HFInferenceEngine:
         parameters, device to device; returns the new checksum, or None when they are not reachable from
         here (no handles, this engine not on CUDA or offloaded, another node or GPU), so the caller sends
         buckets instead."""
-        if self._update is not None:
-            raise RuntimeError(f"update_weights_cuda_ipc() during weight update v{self._update.version}: commit it first")
-        checksum = self._held_whole(load_cuda_weights(self.model, weights))
-        if checksum is not None:
-            self._version = weights.version
+        with self._gate:
+            if self._update is not None:
+                raise RuntimeError(f"update_weights_cuda_ipc() during weight update v{self._update.version}: commit it first")
+            checksum = self._held_whole(load_cuda_weights(self.model, weights))
+            if checksum is not None:
+                self._version = weights.version
         return checksum
 
     def update_adapter(self, update: AdapterUpdate) -> UpdateReport | None:
         """Merge a LoRA adapter into the base it belongs to (``engines.training.lora.AdapterMerger``); returns
         the report (``checksum``: ``adapter_checksum`` of the base and adapter), or None when this engine does
         not hold that base (none arrived yet, or another), so the caller sends the base first."""
-        self._check_ready("update_adapter()")
-        if self._lora is None and self._full_checksum == update.base_checksum:
-            self._own_weights()  # the merge writes the adapted layers' weights
-            self._lora, self._full_checksum = AdapterMerger(self.model, update.base_checksum), None
-        if self._lora is None or self._lora.base_checksum != update.base_checksum:
-            return None
-        checksum, tensors, nbytes = self._lora.apply(update)
-        self._version = update.version
+        with self._gate:
+            self._check_ready("update_adapter()")
+            if self._lora is None and self._full_checksum == update.base_checksum:
+                self._own_weights()  # the merge writes the adapted layers' weights
+                self._lora, self._full_checksum = AdapterMerger(self.model, update.base_checksum), None
+            if self._lora is None or self._lora.base_checksum != update.base_checksum:
+                return None
+            checksum, tensors, nbytes = self._lora.apply(update)
+            self._version = update.version
         return UpdateReport(update.version, checksum, tensors, nbytes)
 
     def weights_version(self) -> int:
@@ -237,7 +248,8 @@ class HFInferenceEngine:
 
         Identical prompts (a GRPO group) are prefilled once and their KV cache is repeated; rows that
         stop leave the batch (and the cache), so each decoding step computes only unfinished rows."""
-        self._check_ready("generate()")
+        with self._gate:
+            self._check_ready("generate()")
         start = time.perf_counter()
         prompt_ids = self.encode(prompts) if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts]
         pad = self.tokenizer.pad_token_id
@@ -254,7 +266,10 @@ class HFInferenceEngine:
         row_generators = [torch.Generator(device=device).manual_seed(s) for s in sampling.row_seeds]
         greedy = sampling.temperature <= 0
 
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        with self._step():
+            start_version = version = self._version  # of the weights that compute the next token's logits
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                             use_cache=True, logits_to_keep=1)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         logits = out.logits[row_to_unique, -1]  # [B, V]: each row from its prompt's prefill
         if len(unique) < rows:
@@ -264,8 +279,13 @@ class HFInferenceEngine:
         response_ids = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32, device=device)
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        versions = torch.full((rows, sampling.max_new_tokens), start_version, dtype=torch.long)
+        aborted = torch.zeros(rows, dtype=torch.bool)
         active = torch.arange(rows, device=device)  # original row of each row still decoding
         for t in range(sampling.max_new_tokens):
+            if version != start_version and sampling.on_weight_update == "abort":
+                aborted[active.cpu()] = True  # the rows still decoding stop where the update found them
+                break
             logits = logits.float()
             if not greedy:
                 logits = logits / sampling.temperature
@@ -278,6 +298,7 @@ class HFInferenceEngine:
                          torch.cat([torch.multinomial(probs[j], 1, generator=row_generators[row])
                                     for j, row in enumerate(active.tolist())]))
             response_ids[active, t] = token
+            versions[active.cpu(), t] = version
             logprobs[active, t] = log_probs.gather(-1, token[:, None]).squeeze(-1)
             lengths[active] += 1
             done = torch.isin(token, stop_ids)
@@ -290,13 +311,15 @@ class HFInferenceEngine:
                 active, token, attention_mask, next_pos = active[keep], token[keep], attention_mask[keep], next_pos[keep]
                 cache.batch_select_indices(keep)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(active), 1)], dim=1)
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_pos[:, None],
-                use_cache=True,
-                **{self._cache_kw: cache},
-            )
+            with self._step():
+                version = self._version
+                out = self.model(
+                    input_ids=token[:, None],
+                    attention_mask=attention_mask,
+                    position_ids=next_pos[:, None],
+                    use_cache=True,
+                    **{self._cache_kw: cache},
+                )
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
@@ -304,6 +327,8 @@ class HFInferenceEngine:
         width = int(lengths.max()) if rows else 0
         # the outputs go back on CPU (Ray hands them to other actors); the decoding below reads them there
         response_ids, logprobs, lengths = response_ids[:, :width].cpu(), logprobs[:, :width].cpu(), lengths.cpu()
+        versions = versions[:, :width]
+        partial = bool((versions[lengths.unsqueeze(-1) > torch.arange(width)] != start_version).any())
         stop_ids = stop_ids.cpu()
         stopped = torch.isin(response_ids[torch.arange(rows), (lengths - 1).clamp(min=0)], stop_ids) & (lengths > 0)
         stop_set = set(stop_ids.tolist())
@@ -317,11 +342,37 @@ class HFInferenceEngine:
             response_ids=response_ids,
             logprobs=logprobs,
             response_lengths=lengths,
-            finish_reasons=["stop" if bool(s) else "length" for s in stopped],
+            finish_reasons=["abort" if bool(a) else "stop" if bool(s) else "length" for s, a in zip(stopped, aborted)],
             completions=completions,
-            weights_version=self._version,
+            weights_version=start_version,
             compute_seconds=time.perf_counter() - start,
+            token_versions=versions if partial else None,
         )
+
+    def _step(self):
+        """The gate of one forward pass: it waits while a weight update is open (``begin_update`` to
+        ``commit``), and no update lands while it runs."""
+        self._gate.acquire()
+        try:
+            self._gate.wait_for(lambda: self._update is None)
+            self._check_ready("generate()")
+        except BaseException:
+            self._gate.release()
+            raise
+        return _Release(self._gate)
+
+
+class _Release:
+    """Context manager that releases a lock already acquired (``HFInferenceEngine._step``)."""
+
+    def __init__(self, lock) -> None:
+        self.lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
 
 
 def left_pad(sequences: list[list[int]] | list[tuple[int, ...]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
