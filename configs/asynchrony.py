@@ -26,11 +26,18 @@ class AsyncConfig(Section):
     """full: the most weight versions a trained group may be behind the trainer (η); new groups start only
     while that holds for every group that could still be trained (AReaL's admission rule)."""
 
+    partial_rollout: Literal["wait", "keep", "abort"] = "wait"
+    """full: what a weight update does to the groups generating when it arrives. wait: it waits for the
+    generation call in flight (no partial rollouts); keep: the rows decode on with the new weights, each token
+    recording its version (Rollouts.token_versions); abort: the rows stop and their groups are drawn again.
+    keep and abort need an engine that takes updates between decoding steps (rollout.engine hf)."""
+
     @model_validator(mode="after")
-    def _staleness_only_for_full(self):
-        if "max_staleness" in self.model_fields_set and self.mode != "full":
-            raise CheckError(("max_staleness",), f"async.max_staleness bounds async.mode full, not {self.mode!r}; "
-                             "remove it or set async.mode=full")
+    def _options_only_for_full(self):
+        for key in ("max_staleness", "partial_rollout"):
+            if key in self.model_fields_set and self.mode != "full":
+                raise CheckError((key,), f"async.{key} is an option of async.mode full, not {self.mode!r}; "
+                                 "remove it or set async.mode=full")
         return self
 
     @field_validator("mode", mode="before")

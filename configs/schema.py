@@ -521,6 +521,11 @@ class Config(Section):
             if "agentic" in self.stage_names():
                 raise CheckError(("async.mode",), "async.mode full streams prompt groups; agentic RL batches turns "
                                  "with agentic.runner async instead; use async.mode off or one_step")
+            if self.async_.partial_rollout != "wait" and self.rollout.engine != "hf":
+                raise CheckError(("async.partial_rollout", "rollout.engine"),
+                                 f"async.partial_rollout {self.async_.partial_rollout} needs an engine that takes weight "
+                                 f"updates between decoding steps: rollout.engine hf, not {self.rollout.engine!r}; "
+                                 "use async.partial_rollout=wait")
             if self.algorithm.dynamic_sampling.enabled:
                 raise CheckError(("async.mode", "algorithm.dynamic_sampling.enabled"),
                                  "async.mode full forms batches from groups as they finish; dynamic sampling's "

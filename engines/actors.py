@@ -65,7 +65,8 @@ def engine_actor_name(kind: str, run_name: str, role: str, *, num_gpus: float = 
 
 def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num_cpus: float = 0,
                  num_gpus: float = 0, runtime_env: dict | None = None, max_concurrency: int | None = None,
-                 scheduling_strategy=None, unfingerprinted: dict | None = None, **kwargs: Any):
+                 scheduling_strategy=None, unfingerprinted: dict | None = None,
+                 concurrency_groups: dict[str, int] | None = None, **kwargs: Any):
     """The actor ``<run>/<role>`` of engine ``kind``, ``"<role kind>/<backend>"`` (``engines.backends``: a
     short name or a dotted path, imported here): the live one built from the same ``kind`` and ``kwargs``
     if there is one and ``reuse``, else a new one (replacing any actor of this run and role). Pass ``reuse=False``
@@ -76,8 +77,9 @@ def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num
     group bundle, ``engines.placement``, or a node) are part of what the actor was built from: a changed
     placement replaces it. ``unfingerprinted`` constructor keywords are not (a rank's rendezvous address).
     Starting one actor for ``role`` also stops the ranks of an earlier sharded ``role`` (``engines.rank_group``)."""
+    groups = {"concurrency_groups": concurrency_groups} if concurrency_groups else {}
     name = engine_actor_name(kind, run_name, role, num_gpus=num_gpus, scheduling_strategy=scheduling_strategy,
-                             max_concurrency=max_concurrency, **kwargs)
+                             max_concurrency=max_concurrency, **groups, **kwargs)
     for other in run_actor_names(run_name, role) + run_actor_names(run_name, f"{role}.rank", exact=False):
         if other != name or not reuse:
             _kill_named(other)  # built from another config: not interchangeable
@@ -92,7 +94,8 @@ def start_engine(kind: str, *, run_name: str, role: str, reuse: bool = True, num
     env = backend_env(kind)
     if env is not None:  # a backend in its own venv: its actor runs that venv's Python
         runtime_env = engine_runtime_env(env, runtime_env)
-    cls = ray.remote(engine_class(kind))
+    # concurrency groups: named thread pools of a threaded actor (calls pick one with .options(concurrency_group=))
+    cls = ray.remote(**groups)(engine_class(kind)) if groups else ray.remote(engine_class(kind))
     return cls.options(
         name=name,
         namespace=NAMESPACE,

@@ -152,6 +152,9 @@ def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
     pick = lambda seq, idx: [seq[i] for i in idx]  # noqa: E731
     multi_turn = any(part.response_loss_mask is not None or part.response_turn_index is not None for part in parts)
     joined = lambda per_part: torch.cat([pad(per_part(part))[idx] for part, idx in zip(parts, rows)])  # noqa: E731
+    partial = any(part.token_versions is not None for part in parts)
+    versions = lambda part: (part.token_versions if part.token_versions is not None else  # noqa: E731
+                             torch.full(part.response_ids.shape, part.weights_version, dtype=torch.long))
     return Rollouts(
         prompt_ids=[p for part, idx in zip(parts, rows) for p in pick(part.prompt_ids, idx)],
         response_ids=torch.cat([pad(part.response_ids)[idx] for part, idx in zip(parts, rows)]),
@@ -163,5 +166,6 @@ def concat_rollouts(parts: list[Rollouts], rows: list[list[int]]) -> Rollouts:
         compute_seconds=sum(part.compute_seconds for part in parts),
         response_loss_mask=joined(Rollouts.model_token_mask) if multi_turn else None,
         response_turn_index=joined(Rollouts.turn_index) if multi_turn else None,
+        token_versions=joined(versions) if partial else None,
     )
 

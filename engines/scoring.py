@@ -56,6 +56,7 @@ def score_rollouts(rollouts: Rollouts, prompts: list[str], columns: dict[str, li
         "generate_s": rollouts.compute_seconds, "score_s": time.perf_counter() - start,
         "reward": spec.reward, "distinct": len(unique), "failed": scoring.failed,
         "first_failure": scoring.first_failure, "weights_version": rollouts.weights_version,
+        "aborted": sum(r == "abort" for r in rollouts.finish_reasons), "partial": rollouts.token_versions is not None,
     }
     return rewards, stats
 

@@ -148,7 +148,9 @@ class RolloutStream:
     A thread of the flow's process keeps at most ``in_flight`` generation calls per rollout replica queued,
     each of up to ``groups_per_call`` groups (half a batch: one call generates while the next waits, and a
     weight sync waits behind one call at most); each group is scored by a reward worker as soon as its call
-    returns. ``engines.staleness.StalenessBound`` admits groups and forms batches within
+    returns. With ``async.partial_rollout`` keep or abort, generation runs in the engine's ``generate``
+    concurrency group, so a weight sync lands between two of its decoding steps (``SamplingParams.on_weight_update``);
+    an aborted group is drawn again. ``engines.staleness.StalenessBound`` admits groups and forms batches within
     ``async.max_staleness`` versions; groups too old to train are dropped and their prompts drawn again. A
     replica whose actor dies is marked; its groups go back to the queue and the flow replaces it
     (``replace_dead``) while the trainer is idle, so the new engine gets exactly the trainer's weights.
@@ -166,6 +168,8 @@ class RolloutStream:
         self.positions, self.engine_version = dict(positions), engine_version
         self.sampling_for, self.score_spec_for, self.in_flight = sampling_for, score_spec_for, in_flight
         self.groups_per_call = groups_per_call or cfg.rollout.prompts_per_step
+        self.partial = cfg.async_.partial_rollout
+        self.aborted = 0  # groups a weight update stopped (partial_rollout: abort), drawn again
         self._calls = 0
         self.bound = StalenessBound(cfg.rollout.prompts_per_step, cfg.async_.max_staleness)
         self.queue: list[Unit] = []  # drawn, not started (requeued ones first)
@@ -214,7 +218,9 @@ class RolloutStream:
         lags = [trainer_version - s["weights_version"] for s in stats]
         metrics.update({"async/wait_s": waited, "async/version_lag_mean": sum(lags) / len(lags),
                         "async/version_lag_max": float(max(lags)), "async/untrained_groups": float(queued),
-                        "async/dropped_groups": float(self.bound.dropped), "async/engine_restarts": float(self.restarts)})
+                        "async/dropped_groups": float(self.bound.dropped), "async/engine_restarts": float(self.restarts),
+                        "async/aborted_groups": float(self.aborted),
+                        "async/partial_groups": float(sum(s["partial"] for s in stats))})
         metrics.update({f"async/version_lag_{lag}": float(lags.count(lag)) for lag in range(self.cfg.async_.max_staleness + 1)})
         prompts = [unit.row["prompt"] for unit in units for _ in range(group)]
         keys = sorted({k for unit in units for k in unit.row} - {"prompt"})
@@ -284,7 +290,12 @@ class RolloutStream:
                     return
                 replica = min(free, key=lambda i: len(calls[i]))
                 prompts = [unit.row["prompt"] for unit in units for _ in range(group)]
-                call = self.engines.rollouts[replica].generate.remote(prompts, self.sampling_for(self._calls))
+                generate = self.engines.rollouts[replica].generate
+                if self.partial != "wait":  # its own thread: weight updates land between its decoding steps
+                    generate = generate.options(concurrency_group="generate")
+                sampling = dataclasses.replace(self.sampling_for(self._calls),
+                                               on_weight_update="abort" if self.partial == "abort" else "keep")
+                call = generate.remote(prompts, sampling)
                 self._calls += 1
                 for offset, unit in enumerate(units):
                     unit.replica, unit.version, unit.call = replica, self.engine_version, call
@@ -324,7 +335,12 @@ class RolloutStream:
                 continue
             with self._lock:
                 self.running.remove(unit)
-                self.bound.finish(unit, stats["weights_version"])
+                if stats["aborted"]:  # a weight update stopped its rows: the group is drawn again
+                    self.bound.abort()
+                    self.aborted += 1
+                    self.queue.insert(0, Unit(unit.index, unit.domain, unit.row))
+                else:
+                    self.bound.finish(unit, stats["weights_version"])
         if ready:
             with self._changed:
                 self._changed.notify_all()

@@ -147,8 +147,12 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         role = name.split("/", 1)[1].split("#")[0]
         if role.startswith("rollout") and role not in roles:
             stop_named(name)
+    # partial rollouts: generation on a thread of its own, so weight updates land between its decoding steps
+    partial = config.async_.mode == "full" and config.async_.partial_rollout != "wait"
+    groups = {"concurrency_groups": {"generate": 1}} if partial else {}
+
     def start_rollout(i: int):
-        return start_engine(f"rollout/{config.rollout.engine}", role=roles[i], **where("rollout", i),
+        return start_engine(f"rollout/{config.rollout.engine}", role=roles[i], **where("rollout", i), **groups,
                             **rollout_engine_options(config, common))
 
     rollouts = [start_rollout(i) for i in range(len(roles))]

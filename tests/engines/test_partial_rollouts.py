@@ -101,3 +101,14 @@ def test_updates_from_another_thread_land_between_steps(tiny_model_dir):
         assert (versions[:, 0] == out.weights_version).all()
         assert (versions[:, 1:] >= versions[:, :-1]).all()  # never older than the token before
         assert (versions[0] == versions).all()  # the rows of a call decode in step: the same version per step
+
+
+def test_joined_rollouts_keep_each_rows_token_versions(tiny_model_dir):
+    from engines.batches import concat_rollouts
+
+    engine = _engine(tiny_model_dir, at=3)
+    partial = engine.generate(PROMPTS[:2], _sampling("keep"))  # tokens 0-1 from v0, then v1
+    whole = engine.generate(PROMPTS[2:], _sampling("keep"))  # all v1
+    joined = concat_rollouts([partial, whole], [[1], [0, 1]])
+    assert joined.weights_version == 0  # the oldest weights that sampled a row
+    assert joined.token_versions.tolist() == [[0, 0, 1, 1, 1, 1], [1] * 6, [1] * 6]

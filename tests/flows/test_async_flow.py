@@ -125,3 +125,22 @@ def test_full_flow_replaces_a_rollout_engine_killed_mid_generation(tmp_path, ray
     assert sorted(restarts) == list(range(1, 11))  # every step trained, none twice
     assert restarts[10] >= 1 and restarts[1] == 0
     assert (run_dir / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partial", ["keep", "abort"])
+def test_full_flow_partial_rollouts(partial, tmp_path, ray_cluster, prefect_server):
+    # The engine generates all the time, so syncs land inside generation calls: keep lets those groups finish
+    # with the new weights (recorded per token), abort stops them and draws them again.
+    from flows.pipeline import run_flow
+
+    run_dir = tmp_path / "run"
+    config = load_config("configs/tiny.yaml", [
+        f"run.dir={run_dir}", f"run.name=partial-{partial}", "train.steps=6", "checkpoint.every=6", "eval.every=0",
+        "async.mode=full", f"async.partial_rollout={partial}", "rollout.max_new_tokens=32",
+        "algorithm.old_logprobs=trainer", "run.torch_threads=1"])
+    run_id = run_flow(config)["mlflow_run_id"]
+    partial_groups = sum(_history(run_dir, run_id, "async/partial_groups").values())
+    aborted = max(_history(run_dir, run_id, "async/aborted_groups").values())
+    assert (partial_groups > 0 and aborted == 0) if partial == "keep" else (aborted > 0 and partial_groups == 0)
+    assert max(_history(run_dir, run_id, "async/version_lag_max").values()) <= 1

@@ -96,3 +96,16 @@ def test_async_mode_in_yaml(text, mode):
     from configs.loader import load_config
 
     assert load_config("configs/tiny.yaml", [f"async.mode={text}"]).async_.mode == mode
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["async.mode=one_step", "async.max_staleness=2"], "async.max_staleness is an option of async.mode full"),
+    (["async.partial_rollout=keep"], "async.partial_rollout is an option of async.mode full"),
+    (["async.mode=full", "async.partial_rollout=keep", "rollout.engine=vllm"], "rollout.engine hf, not 'vllm'"),
+    (["async.mode=full", "algorithm.dynamic_sampling.enabled=true"], "dynamic sampling"),
+])
+def test_async_options_without_effect_are_refused(overrides, message):
+    from configs.loader import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny.yaml", overrides)
