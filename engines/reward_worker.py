@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engines.algorithms.shaping import refill_rows
@@ -30,6 +32,8 @@ class RewardWorker:
         """``(those rows' Rollouts, their rewards, stats)`` for rows ``rows`` of ``rollouts`` (one prompt group
         of a generation call that held several); ``prompts`` and ``columns`` are those rows' already."""
         part = concat_rollouts([rollouts], [rows])
+        # the call's time, in these rows' share: the stats of a call's groups add up to it
+        part = dataclasses.replace(part, compute_seconds=rollouts.compute_seconds * len(rows) / max(len(rollouts.completions), 1))
         rewards, stats = score_rollouts(part, prompts, columns, spec)
         return part, rewards, stats
 

@@ -30,7 +30,7 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 from configs.placement import PlacementConfig
 from configs.schema import Config
 from flows.agentic import agentic_eval, start_env_workers
-from flows.asynchrony import PENDING_FILE, OneStepAhead, RolloutStream, load_pending, pending_files
+from flows.asynchrony import OneStepAhead, load_pending, pending_files, scored_batch
 from flows.sampling import ScoredBatch, call_sampling, sample_step, score_spec
 from flows.setup import (checkpoint_root, domain_rewards, load_domains, reserve_placement, stage_dir,
                          start_train_engine)
@@ -44,7 +44,7 @@ from engines.algorithms.objective import PolicyObjective, ValueObjective
 from engines.algorithms.advantages import GROUP_ESTIMATORS
 from engines.algorithms.shaping import RunningMoments, ShapingSpec
 from engines.placement import Reservation
-from engines.rewards.failures import RewardFailureMonitor
+from engines.rewards.failures import RewardFailureMonitor, failures_by_domain
 from engines.batches import AdvantageSpec
 from engines.training.torch import OptimSpec
 from engines.training.updates import UpdateSpec
@@ -52,6 +52,8 @@ from engines.types import SamplingParams
 from tasks.advantages import compute_advantages
 from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
+from tasks.pending_batch import PENDING_FILE
+from tasks.rollout_stream import RolloutStream
 from tasks.evaluate import evaluate
 from tasks.score import rollout_samples
 from tasks.sync import set_memory_phase, sync_weights
@@ -337,8 +339,10 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     if ahead is not None:
         scored = ahead.take(step, state.domain_positions, state.weights_version)
     elif stream is not None:
-        scored = stream.next_batch(step, state.weights_version,
-                                   lambda replica: engines.replace_rollout(replica, sync, state.weights_version))
+        streamed = stream.next_batch(step, state.weights_version,
+                                     lambda replica: engines.replace_rollout(replica, sync, state.weights_version))
+        reward_failures.update(step, failures_by_domain(streamed.stats))  # warns; raises past reward.failure_patience
+        scored = scored_batch(streamed)
     else:
         scored = sample_step(cfg, engines, domains, state.domain_positions, step, reward_failures)
     memory.update(engines.memory_phase("train"))
