@@ -157,7 +157,7 @@ def episodes(config: Config, engines, specs: list[EpisodeSpec], temperature: flo
 def agentic_batch(config: Config, engines, positions: dict[str, int], step: int):
     """Step ``step``'s episodes as a ``ScoredBatch`` (``flows/rlvr.py``) whose ``agentic`` entry holds the
     step advantages and masked rows for ``compute_advantages``."""
-    from flows.sampling import ScoredBatch
+    from tasks.score import ScoredBatch
 
     metrics: dict[str, float] = {}
     sampled = bool(config.tracking.sample_every) and step % config.tracking.sample_every == 0

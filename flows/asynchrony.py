@@ -24,7 +24,6 @@ are tasks of the flow run; the sampling itself runs in the rollout engines and r
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -93,19 +92,3 @@ class OneStepAhead:
 def pending_files(ahead: OneStepAhead | None) -> dict[str, bytes]:
     """The checkpoint files of the batch ``ahead`` generated (waiting for it), or none."""
     return pending_batch.pending_files(ahead.pending() if ahead is not None else None)
-
-
-def load_pending(data: bytes):
-    """``(step, ScoredBatch)`` of a checkpoint's batch generated ahead."""
-    from flows.sampling import ScoredBatch
-
-    step, rollouts_ref, rewards_ref, fields = pending_batch.load_pending(data)
-    return step, ScoredBatch(rollouts_ref, rewards_ref, **fields)
-
-
-def scored_batch(batch):
-    """The flow's ``ScoredBatch`` of a ``RolloutStream`` batch."""
-    from flows.sampling import ScoredBatch
-
-    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(ScoredBatch) if hasattr(batch, f.name)}
-    return ScoredBatch(**fields)

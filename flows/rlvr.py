@@ -30,8 +30,8 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 from configs.placement import PlacementConfig
 from configs.schema import Config
 from flows.agentic import agentic_eval, start_env_workers
-from flows.asynchrony import OneStepAhead, load_pending, pending_files, scored_batch
-from flows.sampling import ScoredBatch, call_sampling, sample_step, score_spec
+from flows.asynchrony import OneStepAhead, pending_files
+from flows.sampling import call_sampling, sample_step, score_spec
 from flows.setup import (checkpoint_root, domain_rewards, load_domains, reserve_placement, stage_dir,
                          start_train_engine)
 from flows.stages import stage_key
@@ -52,7 +52,8 @@ from engines.types import SamplingParams
 from tasks.advantages import compute_advantages
 from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
-from tasks.pending_batch import PENDING_FILE
+from tasks.pending_batch import PENDING_FILE, load_pending
+from tasks.score import ScoredBatch
 from tasks.rollout_stream import RolloutStream
 from tasks.evaluate import evaluate
 from tasks.score import rollout_samples
@@ -339,10 +340,9 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     if ahead is not None:
         scored = ahead.take(step, state.domain_positions, state.weights_version)
     elif stream is not None:
-        streamed = stream.next_batch(step, state.weights_version,
-                                     lambda replica: engines.replace_rollout(replica, sync, state.weights_version))
-        reward_failures.update(step, failures_by_domain(streamed.stats))  # warns; raises past reward.failure_patience
-        scored = scored_batch(streamed)
+        scored, stats = stream.next_batch(step, state.weights_version,
+                                          lambda replica: engines.replace_rollout(replica, sync, state.weights_version))
+        reward_failures.update(step, failures_by_domain(stats))  # warns; raises past reward.failure_patience
     else:
         scored = sample_step(cfg, engines, domains, state.domain_positions, step, reward_failures)
     memory.update(engines.memory_phase("train"))

@@ -1,11 +1,10 @@
 """What a synchronous RL step samples: each domain's prompts in generation calls (groups kept whole), scored
-as they are generated, refilled by dynamic sampling; or an agentic step's episodes. ``ScoredBatch`` is what
-the step body (``flows/rlvr.py``) trains on, whichever way it was sampled (``flows/asynchrony.py`` too)."""
+as they are generated, refilled by dynamic sampling; or an agentic step's episodes. ``tasks.score.ScoredBatch`` is
+what the step body (``flows/rlvr.py``) trains on, whichever way it was sampled (``flows/asynchrony.py`` too)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from prefect.utilities.annotations import quote  # large task arguments: Prefect need not walk them (no futures inside)
 
@@ -17,22 +16,7 @@ from engines.scoring import ScoreSpec, summarize
 from engines.types import SamplingParams
 from flows.agentic import agentic_batch
 from tasks.common import timed
-from tasks.score import Chunk, generate_and_score, join_rounds
-
-
-@dataclass
-class ScoredBatch:
-    """One step's scored rollouts (Ray refs, rows grouped by prompt) and what the driver keeps of them."""
-
-    rollouts_ref: object
-    rewards_ref: object
-    group_ids: list[int]
-    prompts: list[str]
-    columns: dict[str, list]
-    positions: dict[str, int]
-    metrics: dict[str, float]
-    agentic: dict | None = None  # agentic RL: step_advantages and masked_rows (compute_advantages)
-    samples: list[dict] | None = None  # agentic RL: the sample episodes' table
+from tasks.score import Chunk, ScoredBatch, generate_and_score, join_rounds
 
 
 def score_spec(cfg: Config, domain, engines: RLEngines) -> ScoreSpec:

@@ -10,6 +10,7 @@ import ray
 import torch
 
 from engines.types import Rollouts
+from tasks.score import ScoredBatch
 
 PENDING_FILE = "pending_batch.pt"
 """The checkpoint file holding the batch generated ahead of the checkpoint's step."""
@@ -29,8 +30,8 @@ def pending_files(pending) -> dict[str, bytes]:
     return {PENDING_FILE: buffer.getvalue()}
 
 
-def load_pending(data: bytes) -> tuple[int, object, object, dict]:
-    """``(step, rollouts_ref, rewards_ref, the other ScoredBatch fields)`` from ``pending_files``' bytes; the
-    rollouts and rewards go back into Ray."""
+def load_pending(data: bytes) -> tuple[int, ScoredBatch]:
+    """``(step, ScoredBatch)`` from ``pending_files``' bytes; its rollouts and rewards go back into Ray."""
     saved = torch.load(io.BytesIO(data), weights_only=True)
-    return saved["step"], ray.put(Rollouts(**saved["rollouts"])), ray.put(saved["rewards"]), saved["fields"]
+    rollouts_ref, rewards_ref = ray.put(Rollouts(**saved["rollouts"])), ray.put(saved["rewards"])
+    return saved["step"], ScoredBatch(rollouts_ref, rewards_ref, **saved["fields"])

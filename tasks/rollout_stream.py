@@ -16,20 +16,7 @@ import ray
 from engines.data.domains import draw
 from engines.scoring import summarize
 from engines.staleness import StalenessBound
-
-
-@dataclass
-class StreamBatch:
-    """A batch of finished groups: the fields of the flow's ``ScoredBatch`` plus the groups' scoring stats."""
-
-    rollouts_ref: object
-    rewards_ref: object
-    group_ids: list[int]
-    prompts: list[str]
-    columns: dict[str, list]
-    positions: dict[str, int]
-    metrics: dict[str, float]
-    stats: list[dict]
+from tasks.score import ScoredBatch
 
 
 @dataclass
@@ -90,9 +77,11 @@ class RolloutStream:
         self._thread.start()
 
     # -- the flow's side ---------------------------------------------------------------------------------
-    def next_batch(self, step: int, trainer_version: int, replace_dead: Callable[[int], None]) -> StreamBatch:
-        """Step ``step``'s batch, once ``prompts_per_step`` groups within the bound have finished; replaces
-        dead replicas while waiting (the trainer is idle: the weights it syncs are its version)."""
+    def next_batch(self, step: int, trainer_version: int,
+                   replace_dead: Callable[[int], None]) -> tuple[ScoredBatch, list[dict]]:
+        """Step ``step``'s batch and its groups' scoring stats, once ``prompts_per_step`` groups within the
+        bound have finished; replaces dead replicas while waiting (the trainer is idle: the weights it syncs
+        are its version)."""
         start = time.perf_counter()
         while True:
             with self._changed:
@@ -128,8 +117,8 @@ class RolloutStream:
         keys = sorted({k for unit in units for k in unit.row} - {"prompt"})
         columns = {k: [unit.row.get(k) for unit in units for _ in range(group)] for k in keys}
         columns["domain"] = [unit.domain.name for unit in units for _ in range(group)]
-        return StreamBatch(rollouts_ref, rewards_ref, [j for j in range(len(units)) for _ in range(group)], prompts,
-                           columns, positions, metrics, stats)
+        return ScoredBatch(rollouts_ref, rewards_ref, [j for j in range(len(units)) for _ in range(group)], prompts,
+                           columns, positions, metrics), stats
 
     def weights_synced(self, version: int) -> None:
         """The rollout engines hold ``version`` from now on: later groups start with it."""

@@ -32,6 +32,21 @@ class ScoredRound:
     kept_rows: list[int] | None = None
 
 
+@dataclass
+class ScoredBatch:
+    """One step's scored rollouts (Ray refs, rows grouped by prompt) and what the driver keeps of them."""
+
+    rollouts_ref: object
+    rewards_ref: object
+    group_ids: list[int]
+    prompts: list[str]
+    columns: dict[str, list]
+    positions: dict[str, int]
+    metrics: dict[str, float]
+    agentic: dict | None = None  # agentic RL: step_advantages and masked_rows (compute_advantages)
+    samples: list[dict] | None = None  # agentic RL: the sample episodes' table
+
+
 def _flat(pairs):
     return [ref for pair in pairs for ref in pair]
 

@@ -17,8 +17,7 @@ def test_one_step_flow_trains_one_version_behind(tmp_path, ray_cluster, prefect_
     from mlflow.tracking import MlflowClient
 
     from engines import checkpoint_store as store
-    from flows.asynchrony import load_pending
-    from tasks.pending_batch import PENDING_FILE
+    from tasks.pending_batch import PENDING_FILE, load_pending
     from flows.pipeline import run_flow
 
     run_dir = tmp_path / "run"

@@ -33,7 +33,7 @@ def test_teacher_scoring_routes_rows_and_groups_metrics():
     from types import SimpleNamespace
 
     from flows.rlvr import teacher_scoring
-    from flows.sampling import ScoredBatch
+    from tasks.score import ScoredBatch
 
     domains = "[{name: m, reward: math, share: 4, source: arithmetic}, {name: n, reward: math, share: 4, source: arithmetic}]"
     config = load_config("configs/tiny.yaml", ["kind=onpolicy_distill", "data.source=domains", f"data.domains={domains}",
