@@ -52,11 +52,10 @@ from engines.types import SamplingParams
 from tasks.advantages import compute_advantages
 from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
-from tasks.pending_batch import PENDING_FILE, load_pending
-from tasks.score import ScoredBatch
-from tasks.rollout_stream import RolloutStream
 from tasks.evaluate import evaluate
-from tasks.score import rollout_samples
+from tasks.pending_batch import PENDING_FILE, load_pending
+from tasks.rollout_stream import RolloutStream
+from tasks.score import ScoredBatch, rollout_samples
 from tasks.sync import set_memory_phase, sync_weights
 from tasks.train import train
 
