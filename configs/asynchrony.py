@@ -1,11 +1,11 @@
 """Config section ``async:`` (the field ``Config.async_``): whether rollout runs ahead of training.
 
 ``off``: each step generates with the weights the trainer has just produced, then trains on that batch.
-``full``: rollout never waits for the trainer; see ``flows/asynchrony.py``'s ``RolloutStream``.
 ``one_step``: the rollout engines generate step k+1's batch while the trainer trains on step k's, with the
 weights from before step k's update; each batch is one weight version behind the trainer (the first none),
 on a fixed schedule, so a run is as deterministic as a synchronous one and resumes bit-exactly (the batch
-generated ahead is saved with each checkpoint)."""
+generated ahead is saved with each checkpoint; ``flows/asynchrony.py``).
+``full``: rollout never waits for the trainer, within ``max_staleness`` versions (``tasks/rollout_stream.py``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ class AsyncConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """full: the most weight versions a trained group may be behind the trainer (η); new groups start only
     while that holds for every group that could still be trained (AReaL's admission rule)."""
-
     partial_rollout: Literal["wait", "keep", "abort"] = "wait"
     """full: what a weight update does to the groups generating when it arrives. wait: it waits for the
     generation call in flight (no partial rollouts); keep: the rows decode on with the new weights, each token
