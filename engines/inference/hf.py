@@ -19,6 +19,7 @@ import inspect
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -279,7 +280,7 @@ class HFInferenceEngine:
         response_ids = torch.full((rows, sampling.max_new_tokens), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros((rows, sampling.max_new_tokens), dtype=torch.float32, device=device)
         lengths = torch.zeros(rows, dtype=torch.long, device=device)
-        versions = torch.full((rows, sampling.max_new_tokens), start_version, dtype=torch.long)
+        step_versions = []  # the weights version of each decoding step: rows decode in step, so one per step
         aborted = torch.zeros(rows, dtype=torch.bool)
         active = torch.arange(rows, device=device)  # original row of each row still decoding
         for t in range(sampling.max_new_tokens):
@@ -298,7 +299,7 @@ class HFInferenceEngine:
                          torch.cat([torch.multinomial(probs[j], 1, generator=row_generators[row])
                                     for j, row in enumerate(active.tolist())]))
             response_ids[active, t] = token
-            versions[active.cpu(), t] = version
+            step_versions.append(version)
             logprobs[active, t] = log_probs.gather(-1, token[:, None]).squeeze(-1)
             lengths[active] += 1
             done = torch.isin(token, stop_ids)
@@ -327,8 +328,7 @@ class HFInferenceEngine:
         width = int(lengths.max()) if rows else 0
         # the outputs go back on CPU (Ray hands them to other actors); the decoding below reads them there
         response_ids, logprobs, lengths = response_ids[:, :width].cpu(), logprobs[:, :width].cpu(), lengths.cpu()
-        versions = versions[:, :width]
-        partial = bool((versions[lengths.unsqueeze(-1) > torch.arange(width)] != start_version).any())
+        partial = any(v != start_version for v in step_versions)
         stop_ids = stop_ids.cpu()
         stopped = torch.isin(response_ids[torch.arange(rows), (lengths - 1).clamp(min=0)], stop_ids) & (lengths > 0)
         stop_set = set(stop_ids.tolist())
@@ -346,33 +346,17 @@ class HFInferenceEngine:
             completions=completions,
             weights_version=start_version,
             compute_seconds=time.perf_counter() - start,
-            token_versions=versions if partial else None,
+            token_versions=torch.tensor(step_versions[:width]).expand(rows, width).clone() if partial else None,
         )
 
+    @contextmanager
     def _step(self):
         """The gate of one forward pass: it waits while a weight update is open (``begin_update`` to
         ``commit``), and no update lands while it runs."""
-        self._gate.acquire()
-        try:
+        with self._gate:
             self._gate.wait_for(lambda: self._update is None)
             self._check_ready("generate()")
-        except BaseException:
-            self._gate.release()
-            raise
-        return _Release(self._gate)
-
-
-class _Release:
-    """Context manager that releases a lock already acquired (``HFInferenceEngine._step``)."""
-
-    def __init__(self, lock) -> None:
-        self.lock = lock
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.lock.release()
+            yield
 
 
 def left_pad(sequences: list[list[int]] | list[tuple[int, ...]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
