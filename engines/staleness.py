@@ -10,7 +10,7 @@ bound is ``j - w <= η`` (``max_staleness``).
   Were units to finish in the order they started, each would then land in a batch within the bound.
 * They may finish in any order: a slow unit is overtaken and lands in a later batch. So when batch ``j``
   forms, finished units older than ``j - η`` are dropped and running ones aborted (their prompts go back
-  to the queue) instead of being trained beyond the bound (``form_batch``, ``abort_before``).
+  to the queue) instead of being trained beyond the bound (``form_batch``, ``oldest_trainable``).
 
 A unit of a partial rollout that continued with newer weights (``keep``) counts from the version of its
 first token. Pure bookkeeping over integers; the flow does the generating (``flows/asynchrony.py``)."""
@@ -64,7 +64,7 @@ class StalenessBound:
     def form_batch(self) -> list[tuple[object, int]] | None:
         """The next batch, ``batch_size`` finished units in finishing order, once there are enough within the
         bound (older ones are dropped first, counted in ``dropped``); None while there are not. The caller
-        aborts running units started before ``oldest_trainable()`` after each batch (``abort_before``)."""
+        aborts running units started before ``oldest_trainable()`` after each batch."""
         oldest = self.oldest_trainable()
         fresh = [(unit, version) for unit, version in self.finished if version >= oldest]
         self.dropped_units += [unit for unit, version in self.finished if version < oldest]
@@ -76,7 +76,3 @@ class StalenessBound:
         batch, self.finished = fresh[: self.batch_size], fresh[self.batch_size:]
         self.trained_batches += 1
         return batch
-
-    def abort_before(self) -> int:
-        """Start versions below this can enter no batch still to come: abort running units that old."""
-        return self.oldest_trainable()

@@ -22,6 +22,7 @@ import dataclasses
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from prefect import flow
@@ -150,8 +151,8 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         if role.startswith("rollout") and role not in roles:
             stop_named(name)
     # partial rollouts: generation on a thread of its own, so weight updates land between its decoding steps
-    partial = config.async_.mode == "full" and config.async_.partial_rollout != "wait"
-    groups = {"concurrency_groups": {"generate": 1}} if partial else {}
+    partial_rollouts = config.async_.mode == "full" and config.async_.partial_rollout != "wait"
+    groups = {"concurrency_groups": {"generate": 1}} if partial_rollouts else {}
 
     def start_rollout(i: int):
         return start_engine(f"rollout/{config.rollout.engine}", role=roles[i], **where("rollout", i), **groups,
@@ -333,8 +334,7 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     ends without a sync. With ``stream`` (``async.mode: full``) the batch is the first ``prompts_per_step``
     groups the continuous rollout finished; dead rollout replicas are replaced before the sync."""
     alg = cfg.algorithm
-    sync = lambda targets, version: sync_weights(engines.trainer, targets, version, cfg.sync.bucket_mb,  # noqa: E731
-                                                 adapter=cfg.model.lora is not None)
+    sync = partial(push_weights, cfg, engines)
     memory = engines.memory_phase("generate")
     if ahead is not None:
         scored = ahead.take(step, state.domain_positions, state.weights_version)
@@ -388,6 +388,11 @@ def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step
     state.step, state.domain_positions, state.reward_moments = step, scored.positions, moments
     state.reward_failures = reward_failures.state()
     return scored, metrics
+
+
+def push_weights(cfg: Config, engines: RLEngines, targets: list, version: int) -> None:
+    """The trainer's weights, labelled ``version``, to the rollout engines ``targets`` (``tasks.sync``)."""
+    sync_weights(engines.trainer, targets, version, cfg.sync.bucket_mb, adapter=cfg.model.lora is not None)
 
 
 def max_version_lag(cfg: Config) -> int:
@@ -462,8 +467,7 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
         state = RLState.from_json(restore(engines.train_engines, latest[1]))
         state.resumed_from.append(state.step)  # each attempt's starting checkpoint
         state.discarded_groups, state.untrained_groups = state.discarded_groups + state.untrained_groups, 0
-    sync = lambda version: sync_weights(engines.trainer, engines.rollouts, version, cfg.sync.bucket_mb,  # noqa: E731
-                                        adapter=cfg.model.lora is not None)
+    sync = lambda version: push_weights(cfg, engines, engines.rollouts, version)  # noqa: E731 (every replica, as it is now)
     sync(state.weights_version)
     reward_failures = RewardFailureMonitor(max_failure_rate=cfg.reward.max_failure_rate,
                                            patience=cfg.reward.failure_patience, streaks=state.reward_failures)

@@ -218,8 +218,8 @@ class RolloutStream:
                 continue  # requeued meanwhile (its engine died, or it became too stale to train)
             try:
                 stats = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
-                if not self._engine_died(unit, error):
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                if not self._engine_died(unit):
                     raise
                 continue
             with self._lock:
@@ -234,8 +234,9 @@ class RolloutStream:
             with self._changed:
                 self._changed.notify_all()
 
-    def _engine_died(self, unit: Unit, error: Exception) -> bool:
-        """Whether ``error`` is the death of ``unit``'s rollout engine; if so its groups go back to the queue."""
+    def _engine_died(self, unit: Unit) -> bool:
+        """Whether the failure of ``unit``'s scoring is the death of its rollout engine; if so its groups go
+        back to the queue."""
         try:
             ray.get(unit.call, timeout=0)
             return False  # the generation is fine: scoring failed, which is the run's failure
@@ -281,7 +282,7 @@ class RolloutStream:
     def _abort_stale(self) -> None:
         """Groups still generating with weights older than the next batch may take: their prompts are drawn
         again (their results, when they come, are not waited for). Requeued prompts of dropped groups too."""
-        oldest = self.bound.abort_before()
+        oldest = self.bound.oldest_trainable()
         stale = [u for u in self.running if u.version < oldest]
         for unit in stale:
             self.running.remove(unit)

@@ -63,7 +63,7 @@ def _simulate(seed: int, *, batch_size: int, eta: int, batches: int = 25, fifo: 
             batch = bound.form_batch()
             if batch is not None:
                 trained += [(bound.trained_batches - 1, version) for _, version in batch]
-                oldest = bound.abort_before()
+                oldest = bound.oldest_trainable()
                 for unit in [u for u in running if u[1] < oldest]:
                     running.remove(unit)
                     bound.abort()
@@ -113,7 +113,7 @@ def test_admission_hand_worked():
     assert not bound.can_start(1)
     bound.finish(4, 1)
     assert bound.form_batch() == [(0, 0), (4, 1)]
-    assert bound.abort_before() == 1  # batch 2 (trained by v2) takes v1 and newer: unit 2 (v0) can enter none
+    assert bound.oldest_trainable() == 1  # batch 2 (trained by v2) takes v1 and newer: unit 2 (v0) can enter none
     bound.finish(2, 0)  # it finished before the caller aborted it: dropped when the next batch forms
     bound.finish(5, 1)
     assert bound.form_batch() is None and bound.dropped == 1 and bound.finished == [(5, 1)]
