@@ -28,16 +28,13 @@ from typing import Callable
 
 import torch
 
+from engines.algorithms.losses import LOG_RATIO_CLAMP, _masked_log_ratio
 from engines.registry import Registry
 
 CorrectionFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 CORRECTIONS: Registry[CorrectionFn] = Registry("off-policy correction")
 register = CORRECTIONS.register
-
-LOG_RATIO_CLAMP = 20.0
-"""Log-ratios, of a token or summed over a sequence, are clamped to ``[-20, 20]`` before ``exp``."""
-
 
 def compute(name: str, *, prox_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
             **options) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -49,8 +46,7 @@ def compute(name: str, *, prox_logprobs: torch.Tensor, rollout_logprobs: torch.T
     kept tokens)."""
     with torch.no_grad():
         mask = loss_mask > 0
-        difference = prox_logprobs - rollout_logprobs
-        log_ratio = torch.where(mask, difference, torch.zeros_like(difference))
+        log_ratio = _masked_log_ratio(prox_logprobs, rollout_logprobs, loss_mask)
         weights, keep, clipped = CORRECTIONS.get(name)(log_ratio=log_ratio, mask=mask, **options)
         weights = torch.where(mask, weights, torch.ones_like(weights))
         keep = keep & mask
