@@ -34,6 +34,7 @@ class Unit:
     generated: object = None  # Ray refs of its own rows: Rollouts, rewards, stats
     rewards: object = None
     stats: object = None
+    scored: dict | None = None  # its scoring stats, fetched once it finished
 
 
 class RolloutStream:
@@ -101,7 +102,7 @@ class RolloutStream:
         with self._lock:
             self._abort_stale()
         positions, queued = self.snapshot()
-        stats = ray.get([unit.stats for unit in units])
+        stats = [unit.scored for unit in units]
         group = self.cfg.rollout.group_size
         rollouts_ref, rewards_ref = self.engines.reward_worker.join.options(num_returns=2).remote(
             [None] * len(units), *[ref for unit in units for ref in (unit.generated, unit.rewards)])
@@ -194,7 +195,7 @@ class RolloutStream:
                     columns = {k: [v] * group for k, v in unit.row.items() if k != "prompt"}
                     worker = self.engines.reward_workers[unit.index % len(self.engines.reward_workers)]
                     unit.generated, unit.rewards, unit.stats = worker.score_rows.options(num_returns=3).remote(
-                        call, list(range(offset * group, (offset + 1) * group)), prompts[:group], columns,
+                        call, list(range(offset * group, (offset + 1) * group)), [unit.row["prompt"]] * group, columns,
                         self.score_spec_for(unit.domain))
                 self.running += units
 
@@ -229,6 +230,7 @@ class RolloutStream:
                     self.aborted += 1
                     self.queue.insert(0, Unit(unit.index, unit.domain, unit.row))
                 else:
+                    unit.scored = stats
                     self.bound.finish(unit, stats["weights_version"])
         if ready:
             with self._changed:
