@@ -5,6 +5,7 @@ what the step body (``flows/rlvr.py``) trains on, whichever way it was sampled (
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from prefect.utilities.annotations import quote  # large task arguments: Prefect need not walk them (no futures inside)
 
@@ -17,6 +18,9 @@ from engines.types import SamplingParams
 from flows.agentic import agentic_batch
 from tasks.common import timed
 from tasks.score import Chunk, ScoredBatch, generate_and_score, join_rounds
+
+if TYPE_CHECKING:  # flows.rlvr imports this module
+    from flows.rlvr import RLEngines
 
 
 def score_spec(cfg: Config, domain, engines: RLEngines) -> ScoreSpec:
@@ -38,9 +42,7 @@ def build_chunks(cfg: Config, engines: RLEngines, drawn: list, seed: int) -> lis
         for lo, hi in zip(bounds, bounds[1:]):
             part = rows[lo:hi]
             keys = sorted({k for row in part for k in row} - {"prompt"})
-            sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                      top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                      stop_token_ids=engines.stop_token_ids, seed=seed + 7919 * len(chunks))
+            sampling = rollout_sampling(cfg, engines, seed + 7919 * len(chunks))
             chunks.append(Chunk([row["prompt"] for row in part for _ in range(group)],
                                 {k: [row.get(k) for row in part for _ in range(group)] for k in keys},
                                 sampling, score_spec(cfg, domain, engines)))
@@ -104,8 +106,13 @@ def sample_step(cfg: Config, engines: RLEngines, domains: list, positions: dict[
     return sample_batch(cfg, engines, domains, positions, step, reward_failures)
 
 
-def call_sampling(cfg: Config, engines: RLEngines, call: int) -> SamplingParams:
-    """Sampling of ``async.mode: full``'s generation call number ``call`` (seeded by the run seed and it)."""
+def rollout_sampling(cfg: Config, engines: RLEngines, seed: int) -> SamplingParams:
+    """``rollout:``'s sampling with the stop tokens and ``seed``."""
     return SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                           top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=engines.stop_token_ids,
-                          seed=(cfg.run.seed * 1_000_003 + call) * 101 + 7)
+                          seed=seed)
+
+
+def call_sampling(cfg: Config, engines: RLEngines, call: int) -> SamplingParams:
+    """Sampling of ``async.mode: full``'s generation call number ``call`` (seeded by the run seed and it)."""
+    return rollout_sampling(cfg, engines, (cfg.run.seed * 1_000_003 + call) * 101 + 7)
