@@ -81,8 +81,6 @@ def main(argv: list[str]) -> dict:
           f"{STOPS}), model size {args['size']}, rollout engine {args['engine']}, torch_threads 1 per engine")
     results = {}
     for mode in MODES:
-        if mode.endswith("_keep") and args["engine"] != "hf":
-            continue  # partial rollouts need the HF engine
         results[mode] = figures = run_mode(mode, scratch, model_dir, args)
         print(f"{mode:<15} {figures['samples_per_s']:7.1f} samples/s   step {figures['step_s']:.2f} s   "
               f"train {figures['train_s']:.2f} s   response length mean {figures['length_mean']:.1f} "

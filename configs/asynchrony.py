@@ -29,7 +29,7 @@ class AsyncConfig(Section):
     """full: what a weight update does to the groups generating when it arrives. wait: it waits for the
     generation call in flight (no partial rollouts); keep: the rows decode on with the new weights, each token
     recording its version (Rollouts.token_versions); abort: the rows stop and their groups are drawn again.
-    keep and abort need an engine that takes updates between decoding steps (rollout.engine hf)."""
+    keep and abort need an engine that takes updates between decoding steps (rollout.engine hf or vllm)."""
 
     @model_validator(mode="after")
     def _options_only_for_full(self):

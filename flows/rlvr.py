@@ -219,12 +219,13 @@ def colocated_with_rollout(config: Config) -> tuple[str, ...]:
 def rollout_engine_options(config: Config, common: dict) -> dict:
     """Constructor keywords of the rollout backend: ``common`` (the HF engine's), or for vLLM its
     ``rollout.vllm`` options and the run seed instead of the attention implementation (vLLM picks its own),
-    and the LoRA rank it serves when ``model.lora`` is set."""
+    the LoRA rank it serves when ``model.lora`` is set, and whether updates land during generation."""
     if config.rollout.engine != "vllm":
         return common
     options = {k: v for k, v in common.items() if k != "attn_implementation"}
     lora = {"max_lora_rank": config.model.lora.r} if config.model.lora is not None else {}
-    return {**options, **config.rollout.vllm.model_dump(), "seed": config.run.seed, **lora}
+    partial = {"partial_rollouts": True} if config.async_.mode == "full" and config.async_.partial_rollout != "wait" else {}
+    return {**options, **config.rollout.vllm.model_dump(), "seed": config.run.seed, **lora, **partial}
 
 
 def rollout_roles(replicas: int) -> list[str]:

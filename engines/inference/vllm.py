@@ -11,6 +11,13 @@ log-prob of each sampled token after temperature (``logprobs_mode="processed_log
 top-p these are normalised over the kept tokens, unlike the HF engine's). Prefix caching is on, and
 reset after every weight update.
 
+Generation steps vLLM's engine itself (``LLMEngine.step``), one batched decoding step at a time under a
+gate that each weight update also holds: in a threaded actor (the ``generate`` concurrency group, for
+``async.partial_rollout``) an update lands between two steps, the pause/resume of vLLM's own RL API. The
+update's commit resets the prefix cache and preempts the running requests, so they recompute their KV with
+the new weights; each row then either decodes on, each token recording the version that sampled it
+(``SamplingParams.on_weight_update="keep"``), or stops there (``"abort"``).
+
 Weight updates follow the versioned contract (``engines.protocols``): ``begin_update`` opens vLLM's
 layerwise reload, ``receive`` streams each bucket into the worker (``engines.inference.vllm_worker``),
 ``commit`` finalizes it. A trainer on the same GPU (colocated) sends instead the CUDA IPC handle of its
@@ -33,7 +40,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,14 +76,18 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0, seed: int = 0,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  cpu_kv_cache_gib: float = 1.0, enforce_eager: bool | None = None, sleep_level: int = 1,
-                 max_lora_rank: int | None = None) -> None:
-        """``max_lora_rank``: the rank of the LoRA adapters to serve (``model.lora.r``; None: no LoRA)."""
+                 max_lora_rank: int | None = None, partial_rollouts: bool = False) -> None:
+        """``max_lora_rank``: the rank of the LoRA adapters to serve (``model.lora.r``; None: no LoRA).
+        ``partial_rollouts``: weight updates will land during generation, so each step's outputs must be
+        those of the weights it ran with (vLLM's asynchronous scheduling, which returns a step's outputs one
+        step later, is turned off)."""
         on_cpu = not torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this actor
         if on_cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{cpu_kv_cache_gib:g}"  # rollout.vllm.cpu_kv_cache_gib
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # Ray, not vLLM, places the actor
-            set_torch_threads(torch_threads)
+            # OpenMP's thread count is per thread: each calling thread takes it (``_threads_here``)
+            self._threads = set_torch_threads(torch_threads)
         from vllm import LLM
 
         path = local_model_path(model_path)
@@ -88,7 +101,7 @@ class VLLMEngine:
                        worker_extension_cls="engines.inference.vllm_worker.WeightReceiver",
                        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=not on_cpu,
-                       **_lora_options(max_lora_rank))
+                       **({"async_scheduling": False} if partial_rollouts else {}), **_lora_options(max_lora_rank))
         self._on_cpu, self._sleep_level = on_cpu, sleep_level
         self._version = 0
         self._update: _OpenUpdate | None = None
@@ -98,15 +111,21 @@ class VLLMEngine:
         self._adapter = None  # the LoRARequest of the adapter served now
         self._adapter_ids = 0  # each adapter version loads under a new id
         self._adapter_root = Path(tempfile.mkdtemp(prefix="rollflow-vllm-lora-")) if max_lora_rank else None
+        self._calls = 0  # generate calls: each names its requests after it
+        # Held by each engine step and each weight update; an update waits for the step running, and steps
+        # wait while an update is open (begin_update to commit)
+        self._gate = threading.Condition(threading.RLock())
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> Rollouts:
         """Sample one completion per prompt; rows stop at a stop token (kept as the last token) or
-        ``max_new_tokens``."""
+        ``max_new_tokens``. One call generates at a time: it steps the engine until its requests finish."""
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        self._check_ready("generate()")
+        with self._gate:
+            self._check_ready("generate()")
         start = time.perf_counter()
         prompt_ids = ([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
                       if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts])
@@ -114,34 +133,87 @@ class VLLMEngine:
         if sampling.row_seeds and len(sampling.row_seeds) != len(prompt_ids):
             raise ValueError(f"sampling.row_seeds has {len(sampling.row_seeds)} seeds for {len(prompt_ids)} prompts")
         seeds = list(sampling.row_seeds) or [request_seed(sampling.seed, i) for i in range(len(prompt_ids))]
-        requests = [VLLMSampling(n=1, max_tokens=sampling.max_new_tokens, temperature=max(sampling.temperature, 0.0),
-                                 top_p=sampling.top_p, top_k=sampling.top_k, seed=seeds[i],
-                                 stop_token_ids=stop_ids, logprobs=0, detokenize=False)
-                    for i in range(len(prompt_ids))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], requests, use_tqdm=False,
-                                    lora_request=self._adapter)
-        completions = [out.outputs[0] for out in outputs]
-        rows, width = len(completions), max((len(c.token_ids) for c in completions), default=0)
+        rows = len(prompt_ids)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        versions: list[list[int]] = [[] for _ in range(rows)]  # the weights version of each sampled token
+        finished: dict[int, str] = {}
+        engine = self.llm.llm_engine
+        with self._step():
+            self._calls += 1
+            start_version, row_of, request_ids = self._version, {}, []
+            for i, ids in enumerate(prompt_ids):
+                params = VLLMSampling(n=1, max_tokens=sampling.max_new_tokens, temperature=max(sampling.temperature, 0.0),
+                                      top_p=sampling.top_p, top_k=sampling.top_k, seed=seeds[i],
+                                      stop_token_ids=stop_ids, ignore_eos=True,  # the stop ids alone, as the HF engine
+                                      logprobs=0, detokenize=False,
+                                      output_kind=RequestOutputKind.DELTA)  # each step's new tokens
+                row_of[f"rollflow-{self._calls}-{i}"] = i
+                request_ids.append(engine.add_request(f"rollflow-{self._calls}-{i}", TokensPrompt(prompt_token_ids=ids),
+                                                      params, lora_request=self._adapter))
+        try:
+            while len(finished) < rows:
+                with self._step():
+                    version = self._version
+                    if version != start_version and sampling.on_weight_update == "abort":
+                        break  # the rows still decoding stop where the update found them
+                    outputs = engine.step()
+                    if not outputs and not engine.has_unfinished_requests():
+                        raise RuntimeError(f"vLLM finished {len(finished)} of the {rows} requests of this call and holds no other")
+                for output in outputs:
+                    i = row_of.get(output.request_id)
+                    if i is None:
+                        continue
+                    completion = output.outputs[0]
+                    new = list(completion.token_ids)
+                    tokens[i] += new
+                    logprobs[i] += [step[token].logprob for step, token in zip(completion.logprobs, new)]
+                    versions[i] += [version] * len(new)
+                    if output.finished:
+                        finished[i] = "stop" if tokens[i] and tokens[i][-1] in stop_ids else "length"
+        finally:
+            unfinished = [request_ids[i] for i in range(rows) if i not in finished]
+            if unfinished:  # aborted, or an error: none of this call's requests stays in the engine
+                with self._gate:
+                    engine.abort_request(unfinished, internal=True)
+        width = max(map(len, tokens), default=0)
         response_ids = torch.full((rows, width), self.tokenizer.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((rows, width), dtype=torch.float32)
-        lengths = torch.zeros(rows, dtype=torch.long)
+        logprob_tensor = torch.zeros((rows, width), dtype=torch.float32)
+        token_versions = torch.full((rows, width), start_version, dtype=torch.long)
+        for i in range(rows):
+            n = len(tokens[i])
+            response_ids[i, :n], logprob_tensor[i, :n] = torch.tensor(tokens[i], dtype=torch.long), torch.tensor(logprobs[i])
+            token_versions[i, :n] = torch.tensor(versions[i], dtype=torch.long)
+            token_versions[i, n:] = versions[i][-1] if n else start_version
         stop_set = set(stop_ids)
-        for i, completion in enumerate(completions):
-            ids = list(completion.token_ids)
-            response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            logprobs[i, : len(ids)] = torch.tensor([step[token].logprob for step, token in zip(completion.logprobs, ids)])
-            lengths[i] = len(ids)
         return Rollouts(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
-            logprobs=logprobs,
-            response_lengths=lengths,
-            finish_reasons=["stop" if c.token_ids and c.token_ids[-1] in stop_set else "length" for c in completions],
-            completions=[self.tokenizer.decode([t for t in c.token_ids if t not in stop_set], skip_special_tokens=True)
-                         for c in completions],
-            weights_version=self._version,
+            logprobs=logprob_tensor,
+            response_lengths=torch.tensor([len(t) for t in tokens], dtype=torch.long),
+            finish_reasons=[finished.get(i, "abort") for i in range(rows)],
+            completions=[self.tokenizer.decode([t for t in row if t not in stop_set], skip_special_tokens=True)
+                         for row in tokens],
+            weights_version=start_version,
             compute_seconds=time.perf_counter() - start,
+            token_versions=token_versions if bool((token_versions != start_version).any()) else None,
         )
+
+    @contextmanager
+    def _step(self):
+        """The gate of one engine step: it waits while a weight update is open (``begin_update`` to
+        ``commit``), and no update lands while it runs."""
+        with self._gate:
+            self._gate.wait_for(lambda: self._update is None)
+            self._check_ready("generate()")
+            self._threads_here()
+            yield
+
+    def _threads_here(self) -> None:
+        """This thread computes with the engine's thread count (a threaded actor calls on several threads;
+        vLLM's CPU attention checks that its metadata and kernel ran with the same count)."""
+        if self._on_cpu and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
 
     # -- weights: versioned updates (engines.protocols) ----------------------------------------------
     def begin_update(self, version: int) -> None:
@@ -149,14 +221,16 @@ class VLLMEngine:
         if self._update is not None and self._update.version != version:
             raise RuntimeError(f"weight update v{self._update.version} is still open: commit it before "
                                f"begin_update({version})")
-        if self._update is None:
-            self._wake_for_update()
-        else:  # layers completed by the first attempt are repacked already: close it, then start over
-            self.llm.collective_rpc("rollflow_commit_update")
-        self.llm.collective_rpc("rollflow_begin_update")
-        self._update = _OpenUpdate(version)
-        self._checksum = f"partial update v{version}"  # no longer the old weights, not yet the new ones
-        self._base_checksum = None
+        with self._gate:  # generation pauses before its next step until commit
+            self._threads_here()
+            if self._update is None:
+                self._wake_for_update()
+            else:  # layers completed by the first attempt are repacked already: close it, then start over
+                self.llm.collective_rpc("rollflow_commit_update")
+            self.llm.collective_rpc("rollflow_begin_update")
+            self._update = _OpenUpdate(version)
+            self._checksum = f"partial update v{version}"  # no longer the old weights, not yet the new ones
+            self._base_checksum = None
 
     def receive(self, bucket: Bucket) -> int:
         """Stream one bucket's HF-named tensors into the worker; returns the tensors loaded."""
@@ -182,15 +256,16 @@ class VLLMEngine:
 
         if self._on_cpu or not reachable(weights, torch.device("cuda", torch.cuda.current_device())):
             return None
-        self.begin_update(weights.version)
-        digests = self.llm.collective_rpc("rollflow_load_cuda", args=(weights,))[0]  # every rank reads all
-        metas = {meta.name: meta for meta in weights.metas}
-        for name, digest in digests:
-            meta = metas[name]
-            self._update.digests[name] = (torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta"), digest)
-        self._update.tensors += len(digests)
-        self._update.nbytes += sum(meta.nbytes for meta in weights.metas)
-        return self.commit(weights.version).checksum
+        with self._gate:
+            self.begin_update(weights.version)
+            digests = self.llm.collective_rpc("rollflow_load_cuda", args=(weights,))[0]  # every rank reads all
+            metas = {meta.name: meta for meta in weights.metas}
+            for name, digest in digests:
+                meta = metas[name]
+                self._update.digests[name] = (torch.empty(meta.shape, dtype=getattr(torch, meta.dtype), device="meta"), digest)
+            self._update.tensors += len(digests)
+            self._update.nbytes += sum(meta.nbytes for meta in weights.metas)
+            return self.commit(weights.version).checksum
 
     def commit(self, version: int) -> UpdateReport:
         """Close update ``version`` once every parameter arrived: finalize the reload, reset the prefix cache."""
@@ -202,13 +277,20 @@ class VLLMEngine:
         if missing:
             raise ValueError(f"weight update v{version} is incomplete: {len(missing)} of {len(self._names)} "
                              f"parameters not received, e.g. {missing[0]!r}")
-        self.llm.collective_rpc("rollflow_commit_update")
-        self.llm.reset_prefix_cache()  # cached KV of the old weights must not serve the new ones
-        self._checksum = _combine_digests((name, meta, digest) for name, (meta, digest) in update.digests.items())
-        self._update, self._version = None, version
-        self._drop_adapter()  # it was for the old base
-        self._base_checksum = self._checksum
+        with self._gate:
+            self.llm.collective_rpc("rollflow_commit_update")
+            self._reset_cache()
+            self._checksum = _combine_digests((name, meta, digest) for name, (meta, digest) in update.digests.items())
+            self._update, self._version = None, version
+            self._drop_adapter()  # it was for the old base
+            self._base_checksum = self._checksum
+            self._gate.notify_all()
         return UpdateReport(version, self._checksum, update.tensors, update.nbytes)
+
+    def _reset_cache(self) -> None:
+        """Drop the KV cache of the old weights: the prefix cache, and the running requests' own (they are
+        preempted and recompute it with the new weights at their next step)."""
+        self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
 
     def update_adapter(self, update: AdapterUpdate) -> UpdateReport | None:
         """Serve adapter ``update`` (a LoRA trainer's, ``engines.training.lora``) over the base held; returns its
@@ -225,13 +307,14 @@ class VLLMEngine:
         tensors = sorted((name, tensor) for bucket in update.buckets for name, tensor in unpack_bucket(bucket))
         path = write_peft_adapter(self._adapter_root / f"v{update.version}-{self._adapter_ids + 1}", tensors,
                                   update.scalings)
-        self._drop_adapter()
-        self._adapter_ids += 1
-        self._adapter = LoRARequest(f"rollflow-v{update.version}", self._adapter_ids, str(path))
-        self.llm.llm_engine.add_lora(self._adapter)  # loads it now: a bad adapter fails here, not in generate
-        self.llm.reset_prefix_cache()
-        self._checksum = adapter_checksum(self._base_checksum, tensors, update.scalings)
-        self._version = update.version
+        with self._gate:
+            self._drop_adapter()
+            self._adapter_ids += 1
+            self._adapter = LoRARequest(f"rollflow-v{update.version}", self._adapter_ids, str(path))
+            self.llm.llm_engine.add_lora(self._adapter)  # loads it now: a bad adapter fails here, not in generate
+            self._reset_cache()
+            self._checksum = adapter_checksum(self._base_checksum, tensors, update.scalings)
+            self._version = update.version
         return UpdateReport(update.version, self._checksum, len(tensors), update.nbytes)
 
     def _drop_adapter(self) -> None:
@@ -243,10 +326,11 @@ class VLLMEngine:
 
     def update_weights(self, version: int, buckets: list[Bucket]) -> str:
         """A whole update in one call (one Ray round trip): begin, receive every bucket, commit."""
-        self.begin_update(version)
-        for bucket in buckets:
-            self.receive(bucket)
-        return self.commit(version).checksum
+        with self._gate:  # one update: no engine step in between
+            self.begin_update(version)
+            for bucket in buckets:
+                self.receive(bucket)
+            return self.commit(version).checksum
 
     def update_weights_shared(self, shared) -> None:
         """The shared-memory transport is the HF engine's: None tells the sync to send buckets."""

@@ -23,7 +23,9 @@ PROMPTS = ["12+3=", "1+1=", "29+30=", "7+8="] * 2
 def vllm_engine(ray_cluster, tiny_model_dir):
     from remote_engines import ActorProxy
 
-    engine = ActorProxy("rollout/vllm", tiny_model_dir, run_name="test-vllm")
+    # generate on a thread of its own, as async.partial_rollout runs it: updates land during generation
+    engine = ActorProxy("rollout/vllm", tiny_model_dir, run_name="test-vllm", partial_rollouts=True,
+                        concurrency_groups={"generate": 1})
     yield engine
     engine.stop()
 
@@ -88,6 +90,134 @@ def test_rows_of_one_prompt_sample_apart_and_a_rerun_repeats_them(vllm_engine):
     assert len({tuple(row.tolist()) for row in first.response_ids}) > 1  # per-row seeds: a group differs
     again = vllm_engine.generate(["12+3="] * 8, sampling)
     assert torch.equal(again.response_ids, first.response_ids) and torch.equal(again.logprobs, first.logprobs)
+
+
+def _moved_weights(tiny_model_dir) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The checkpoint's weights, and the same moved by a little noise (seed 0)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    return original, {name: p + 0.05 * torch.randn(p.shape, generator=generator) for name, p in original.items()}
+
+
+def _generate_with_update_at_step(engine, prompts, sampling, at: int, version: int, weights: dict[str, torch.Tensor]):
+    """``engine.generate``, with weights update ``version`` applied on the generating thread just before the
+    ``at``-th gated step of the call (1: adding the requests, 2: the prefill, 3: the next token, ...)."""
+    import ray
+
+    buckets = pack_buckets(weights.items(), 1 << 20)
+
+    def install(actor):
+        original_step, count = actor._step, [0]
+
+        def step():
+            count[0] += 1
+            if count[0] == at:
+                actor.update_weights(version, buckets)
+            return original_step()
+
+        actor._step = step
+
+    def remove(actor):
+        del actor._step  # the class's again
+
+    ray.get(engine.handle.__ray_call__.remote(install))
+    try:
+        return engine.generate(prompts, sampling)
+    finally:
+        ray.get(engine.handle.__ray_call__.remote(remove))
+
+
+def _hf_logprobs(tiny_model_dir, weights: dict[str, torch.Tensor], rollouts, pad: int) -> torch.Tensor:
+    """The log-probs that ``weights`` give the sampled tokens of ``rollouts`` (temperature 1), laid out as
+    ``rollouts.logprobs``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.load_state_dict(weights, strict=False)
+    batch = build_train_batch(rollouts, pad)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    # response token k of row i sits at column len(prompt i) + k, predicted from the column before
+    starts = torch.tensor([len(p) - 1 for p in rollouts.prompt_ids])
+    columns = (starts[:, None] + torch.arange(rollouts.response_ids.shape[1])).clamp(max=logprobs.shape[1] - 1)
+    return logprobs.gather(1, columns)
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_keep_decodes_on_with_the_new_weights_and_records_each_tokens_version(vllm_engine, tiny_model_dir):
+    original, moved = _moved_weights(tiny_model_dir)
+    first = vllm_engine.weights_version() + 1
+    _update(vllm_engine, first, original)
+    # pad as the stop token: most rows decode all 6 tokens (EOS does not stop them)
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, stop_token_ids=(0,), on_weight_update="keep")
+    plain = vllm_engine.generate(PROMPTS, sampling)
+    out = _generate_with_update_at_step(vllm_engine, PROMPTS, sampling, at=4, version=first + 1, weights=moved)
+    assert out.weights_version == first and vllm_engine.weights_version() == first + 1
+    lengths = out.response_lengths.tolist()
+    assert sum(n == 6 for n in lengths) >= 6 and "abort" not in out.finish_reasons
+    for versions, n in zip(out.token_versions.tolist(), lengths):
+        assert versions[:n] == ([first] * 2 + [first + 1] * 4)[:n]
+    # tokens 0-1 as without the update (same seeds, same weights), the rest with the new weights' log-probs,
+    # of the whole sequence (the running requests recomputed their KV cache with the new weights)
+    assert torch.equal(out.response_ids[:, :2], plain.response_ids[:, :2])
+    torch.testing.assert_close(out.logprobs[:, :2], plain.logprobs[:, :2], rtol=0, atol=0)
+    assert not torch.equal(out.logprobs[:, 2:], plain.logprobs[:, 2:])
+    new_weights_logprobs = _hf_logprobs(tiny_model_dir, moved, out, vllm_engine.tokenizer.pad_token_id)
+    sampled = torch.arange(out.response_ids.shape[1]) < out.response_lengths[:, None]
+    after, before = sampled.clone(), sampled.clone()
+    after[:, :2], before[:, 2:] = False, False
+    torch.testing.assert_close(out.logprobs[after], new_weights_logprobs[after], rtol=0, atol=1e-4)
+    assert (out.logprobs[before] - new_weights_logprobs[before]).abs().max() > 1e-3  # tokens 0-1: the old weights'
+    again = vllm_engine.generate(PROMPTS, sampling)  # a call without an update records no versions
+    assert again.token_versions is None and again.weights_version == first + 1
+    _update(vllm_engine, first + 2, original)
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_abort_stops_the_rows_still_decoding_and_leaves_no_request_behind(vllm_engine, tiny_model_dir):
+    import ray
+
+    original, moved = _moved_weights(tiny_model_dir)
+    version = vllm_engine.weights_version()
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, stop_token_ids=(0,), on_weight_update="abort")
+    out = _generate_with_update_at_step(vllm_engine, PROMPTS, sampling, at=4, version=version + 1, weights=moved)
+    lengths = out.response_lengths.tolist()  # the tokens of the old weights, nothing after
+    assert lengths.count(2) >= 6 and set(lengths) <= {1, 2}
+    assert out.finish_reasons == ["abort" if n == 2 else "stop" for n in lengths]
+    assert out.token_versions is None and out.weights_version == version
+    unfinished = ray.get(vllm_engine.handle.__ray_call__.remote(lambda actor: actor.llm.llm_engine.get_num_unfinished_requests()))
+    assert unfinished == 0
+    _update(vllm_engine, version + 2, original)
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+@pytest.mark.invariant
+def test_updates_from_the_actors_other_thread_land_between_steps(vllm_engine, tiny_model_dir):
+    import ray
+
+    original, moved = _moved_weights(tiny_model_dir)
+    base = vllm_engine.weights_version()
+    calls = [vllm_engine.handle.generate.options(concurrency_group="generate").remote(
+        PROMPTS, SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, stop_token_ids=(0,))) for seed in range(4)]
+    buckets = [pack_buckets(original.items(), 1 << 20), pack_buckets(moved.items(), 1 << 20)]
+    version = base
+    while ray.wait(calls, num_returns=len(calls), timeout=0)[1]:  # updates keep landing while the calls decode
+        version += 1  # whole updates in one call, as the flow's syncs (a generate call refuses an open update)
+        vllm_engine.update_weights(version, buckets[version % 2])
+    outs = ray.get(calls)
+    assert any(out.token_versions is not None for out in outs)
+    for out in outs:
+        versions = out.token_versions if out.token_versions is not None else torch.full(out.response_ids.shape, out.weights_version)
+        assert (versions[:, 0] >= out.weights_version).all() and (versions <= version).all()
+        assert (versions[:, 1:] >= versions[:, :-1]).all()  # never older than the token before
+    _update(vllm_engine, version + 1, original)
 
 
 @pytest.mark.ray

@@ -128,17 +128,17 @@ def test_full_flow_replaces_a_rollout_engine_killed_mid_generation(tmp_path, ray
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("partial", ["keep", "abort"])
-def test_full_flow_partial_rollouts(partial, tmp_path, ray_cluster, prefect_server):
+@pytest.mark.parametrize("partial, engine", [("keep", "hf"), ("abort", "hf"), pytest.param("keep", "vllm", marks=pytest.mark.vllm)])
+def test_full_flow_partial_rollouts(partial, engine, tmp_path, ray_cluster, prefect_server):
     # The engine generates all the time, so syncs land inside generation calls: keep lets those groups finish
     # with the new weights (recorded per token), abort stops them and draws them again.
     from flows.pipeline import run_flow
 
     run_dir = tmp_path / "run"
     config = load_config("configs/tiny.yaml", [
-        f"run.dir={run_dir}", f"run.name=partial-{partial}", "train.steps=6", "checkpoint.every=6", "eval.every=0",
-        "async.mode=full", f"async.partial_rollout={partial}", "rollout.max_new_tokens=32",
-        "algorithm.old_logprobs=trainer", "run.torch_threads=1"])
+        f"run.dir={run_dir}", f"run.name=partial-{partial}-{engine}", "train.steps=6", "checkpoint.every=6",
+        "eval.every=0", "async.mode=full", f"async.partial_rollout={partial}", "rollout.max_new_tokens=32",
+        f"rollout.engine={engine}", "algorithm.old_logprobs=trainer", "run.torch_threads=1"])
     run_id = run_flow(config)["mlflow_run_id"]
     partial_groups = sum(_history(run_dir, run_id, "async/partial_groups").values())
     aborted = max(_history(run_dir, run_id, "async/aborted_groups").values())

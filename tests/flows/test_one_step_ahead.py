@@ -101,7 +101,8 @@ def test_async_mode_in_yaml(text, mode):
 @pytest.mark.parametrize("overrides, message", [
     (["async.mode=one_step", "async.max_staleness=2"], "async.max_staleness is an option of async.mode full"),
     (["async.partial_rollout=keep"], "async.partial_rollout is an option of async.mode full"),
-    (["async.mode=full", "async.partial_rollout=keep", "rollout.engine=vllm"], "rollout.engine hf, not 'vllm'"),
+    (["async.mode=full", "async.partial_rollout=keep", "rollout.engine=vllm", "model.lora.r=4"],
+     "an adapter update cannot reach a running request"),
     (["async.mode=full", "algorithm.dynamic_sampling.enabled=true"], "dynamic sampling"),
 ])
 def test_async_options_without_effect_are_refused(overrides, message):
