@@ -2,10 +2,13 @@
 
 Two transports:
 
-* Shared memory (engines on one node): the trainer copies every parameter once into one of two
-  files under ``/dev/shm`` (slot ``version % 2``); a receiver of the same dtype makes its parameters
-  views into that mapping, so the sync costs one copy and no (de)serialisation. The receiver reads
-  slot ``v % 2`` until the next sync switches it to the other slot, the one the trainer writes next.
+* Shared memory (engines on one node): the trainer copies every parameter once into a slot, a file
+  under ``/dev/shm``; a receiver of the same dtype makes its parameters views into that mapping, so the
+  sync costs one copy and no (de)serialisation. Slots are versioned: each receiver leases the versions it
+  reads (a small file of its own), and the trainer writes a new version only into a slot whose version
+  is neither leased nor the newest, adding a slot when every one is in use (two suffice when every
+  receiver takes each version; a receiver left behind keeps its slot). A receiver checks that its slot
+  still holds its version (``SharedWeightReader.check``), so weights overwritten under it fail loudly.
   The trainer copies on up to ``torch.get_num_threads()`` threads, each through its own group of
   tensors in chunks, hashing each source chunk right after its copy while it is still in cache. The
   copy may run in the background (``write(..., background=True)``), so the Ray round trips of a sync
@@ -20,6 +23,7 @@ Two transports:
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import time
@@ -214,6 +218,7 @@ def node_id() -> str:
 # -- shared memory --------------------------------------------------------------------------------------
 
 SHM_DIR = "/dev/shm"
+MAX_SLOTS = 4  # versions held at once: the newest, the one being written, and those receivers still read
 SLOT_HEADER_BYTES = 64  # int64s: [0] the version complete in this slot (-1 while written), [1 + g] tensors done by group g
 MAX_COPY_GROUPS = SLOT_HEADER_BYTES // 8 - 1
 ASSUMED_COPY_BYTES_PER_S = 4e9  # a copy thread's pace (it measures 5-7 GB/s): receivers sleep on it, not spin
@@ -229,6 +234,7 @@ class SharedWeights:
     metas: tuple[TensorMeta, ...]
     nbytes: int
     groups: tuple[tuple[int, ...], ...] = ()  # indices into ``metas``, in the order each copy thread writes them
+    lease_prefix: str = ""  # where receivers lease the versions they read: files ``<lease_prefix><pid>-<n>``
 
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -240,15 +246,19 @@ def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
 
 
 class SharedWeightWriter:
-    """The trainer's side: two shared-memory slots, written alternately (``version % 2``).
+    """The trainer's side: versioned shared-memory slots. A version goes into a slot holding neither the
+    newest version nor one a receiver leases; a new slot is added (up to ``MAX_SLOTS``) when none is free.
 
-    Files are named ``rollflow-<tag>-<pid>-<slot>``; ``close`` (and a later writer of the same tag, for
-    files of dead processes) removes them."""
+    Files are named ``rollflow-<tag>-<pid>-<slot>``, receivers' leases ``rollflow-<tag>-<pid>-lease-<pid>-<n>``;
+    ``close`` (and a later writer of the same tag, for files of dead processes) removes them."""
 
     def __init__(self, tag: str) -> None:
         self.prefix = f"rollflow-{tag}-"
         self.pid = os.getpid()
+        self.lease_prefix = f"{self.prefix}{self.pid}-lease-"
         self._slots: dict[int, torch.Tensor] = {}
+        self._slot_versions: dict[int, int] = {}  # the version each slot holds (complete or being written)
+        self._newest: int | None = None  # the last version written: receivers may still be told to read it
         self._layout: tuple[list, tuple[TensorMeta, ...], int] | None = None
         self._plans: dict[int, tuple] = {}  # per slot: (buffer, sources, layout metas, copy pairs, copy groups)
         self._pools: dict[str, ThreadPoolExecutor] = {}
@@ -261,7 +271,34 @@ class SharedWeightWriter:
             if name.startswith(self.prefix):
                 pid = name.removeprefix(self.prefix).split("-")[0]
                 if pid.isdigit() and int(pid) != self.pid and not os.path.exists(f"/proc/{pid}"):
-                    os.unlink(os.path.join(SHM_DIR, name))
+                    _unlink(os.path.join(SHM_DIR, name))
+
+    def leased_versions(self) -> set[int]:
+        """The versions live receivers read or are loading (leases of dead processes are removed)."""
+        leased = set()
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(self.lease_prefix):
+                path, pid = os.path.join(SHM_DIR, name), name.removeprefix(self.lease_prefix).split("-")[0]
+                if not pid.isdigit() or not os.path.exists(f"/proc/{pid}"):
+                    _unlink(path)
+                    continue
+                try:
+                    leased.update(int(v) for v in np.fromfile(path, dtype=np.int64, count=LEASE_SLOTS) if v >= 0)
+                except FileNotFoundError:  # released meanwhile
+                    pass
+        return leased
+
+    def _pick_slot(self) -> int:
+        """A slot whose version is neither the newest nor leased (the oldest such), else a new one."""
+        keep = self.leased_versions() | {self._newest}
+        free = [slot for slot, version in self._slot_versions.items() if version not in keep]
+        if free:
+            return min(free, key=self._slot_versions.__getitem__)
+        if len(self._slot_versions) < MAX_SLOTS:
+            return len(self._slot_versions)
+        raise RuntimeError(f"all {MAX_SLOTS} shared-memory weight slots hold versions still in use "
+                           f"({sorted(self._slot_versions.values())}, receivers lease {sorted(keep - {self._newest})}): "
+                           "a rollout engine has not taken a new version for several syncs")
 
     @staticmethod
     def fits(nbytes: int) -> bool:
@@ -270,8 +307,8 @@ class SharedWeightWriter:
 
     def write(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], node_id: str,
               background: bool = False) -> SharedWeights:
-        """Copy ``named_tensors`` into slot ``version % 2``, hashing them on the way (``wait()`` returns
-        their checksum, equal to ``weights_checksum`` of them). With ``background`` the copy runs on
+        """Copy ``named_tensors`` into a free slot (``_pick_slot``), hashing them on the way (``wait()``
+        returns their checksum, equal to ``weights_checksum`` of them). With ``background`` the copy runs on
         threads and this returns at once: the tensors must not change until ``wait()`` returns."""
         self.wait()
         tensors = list(named_tensors)
@@ -283,13 +320,17 @@ class SharedWeightWriter:
                 offset += -(-metas[-1].nbytes // 64) * 64  # 64-byte aligned views
             self._layout = (key, tuple(metas), offset)
         _, metas, offset = self._layout
-        slot = version % 2
+        slot = self._pick_slot()
         path = os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}")
         if slot not in self._slots or self._slots[slot].numel() != offset:
+            if slot >= 2 and shutil.disk_usage(SHM_DIR).free < offset + (64 << 20):
+                raise RuntimeError(f"no room in {SHM_DIR} for weight slot {slot} ({offset / 2**20:.0f} MiB): slots "
+                                   f"hold versions {sorted(self._slot_versions.values())} that receivers still read")
             self._slots[slot] = _map(path, offset, create=True)
         buffer = self._slots[slot]
         header = buffer[:SLOT_HEADER_BYTES].numpy().view(np.int64)
         header[0], header[1:] = -1, 0
+        self._slot_versions[slot], self._newest = version, version
         threads = 1 if offset < SERIAL_HASH_BYTES else min(MAX_COPY_GROUPS, max(1, torch.get_num_threads()))
         # the same parameters every sync: their byte views and the copy groups are made once per slot. Only
         # for contiguous tensors (a byte view of another is a copy); a moved tensor has another address
@@ -317,7 +358,8 @@ class SharedWeightWriter:
             self._pending = self._pool("write", 1).submit(copy)
         else:
             self._checksum = copy()
-        return SharedWeights(version, path, node_id, metas, offset, tuple(tuple(group) for group in groups))
+        return SharedWeights(version, path, node_id, metas, offset, tuple(tuple(group) for group in groups),
+                             self.lease_prefix)
 
     def _pool(self, kind: str, threads: int) -> ThreadPoolExecutor:
         pool = self._pools.get(kind)
@@ -340,17 +382,41 @@ class SharedWeightWriter:
             self._plans.clear()
             for pool in self._pools.values():
                 pool.shutdown()
-        for slot in (0, 1):
-            try:
-                os.unlink(os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}"))
-            except FileNotFoundError:
-                pass
+        for slot in self._slot_versions:
+            _unlink(os.path.join(SHM_DIR, f"{self.prefix}{self.pid}-{slot}"))
+        self._slot_versions.clear()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+LEASE_SLOTS = 2  # int64s of a lease file: [0] the version the receiver's parameters view, [1] the one it loads
+_leases = itertools.count()
+
+
+class _Lease:
+    """A receiver's lease on a writer's versions: ``/dev/shm/<lease_prefix><pid>-<n>``, two int64s (-1: none)."""
+
+    def __init__(self, lease_prefix: str) -> None:
+        self.path = os.path.join(SHM_DIR, f"{lease_prefix}{os.getpid()}-{next(_leases)}")
+        self.versions = _map(self.path, 8 * LEASE_SLOTS, create=True).numpy().view(np.int64)
+        self.versions[:] = -1
+
+    def close(self) -> None:
+        _unlink(self.path)
 
 
 class SharedWeightReader:
-    """The receiver's side: maps the writer's slots once and points parameters into them."""
+    """The receiver's side: maps the writer's slots once and points parameters into them, leasing the
+    version its parameters view so the writer leaves that slot alone."""
 
     def __init__(self) -> None:
+        self._lease: _Lease | None = None
+        self._held: SharedWeights | None = None  # the version the parameters view, while they do
         self._maps: dict[str, torch.Tensor] = {}
         # per slot: the layout last read from it, its tensor views and their bytes (numpy slices to hash)
         self._views: dict[str, tuple[tuple[TensorMeta, ...], dict[str, torch.Tensor], list[np.ndarray]]] = {}
@@ -360,6 +426,11 @@ class SharedWeightReader:
         their ``weights_checksum``. Views are hashed as soon as the writer's header shows their bytes
         written, so hashing follows the copy; copies wait for the whole slot. ``TimeoutError`` after
         ``timeout_s`` (default: 10 s plus a second per GB, for a writer that died or failed)."""
+        if shared.lease_prefix and (self._lease is None or not self._lease.path.startswith(os.path.join(SHM_DIR, shared.lease_prefix))):
+            self.close()
+            self._lease = _Lease(shared.lease_prefix)
+        if self._lease is not None:
+            self._lease.versions[1] = shared.version  # leased before reading: the writer keeps its slot
         buffer = self._maps.get(shared.path)
         if buffer is None or buffer.numel() != shared.nbytes:
             buffer = self._maps[shared.path] = _map(shared.path, shared.nbytes, create=False)
@@ -384,6 +455,9 @@ class SharedWeightReader:
                 done = int(header[slot])
                 if (done == value) if slot == 0 else (done >= value):
                     return
+                if slot == 0 and done > shared.version:
+                    raise RuntimeError(f"weights v{shared.version} in {shared.path} were overwritten by v{done} "
+                                       "before this receiver read them")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weights v{shared.version} in {shared.path} were not complete after "
                                        f"{timeout_s:.0f} s (header {header.tolist()}: [0] -1 while being written)")
@@ -401,9 +475,11 @@ class SharedWeightReader:
             with torch.no_grad():
                 for name, view in views.items():
                     params[name].copy_(view)
+            self._hold(None)  # copies: the parameters view no slot
             return weights_checksum(model)
         for name, view in views.items():
             params[name].data = view
+        self._hold(shared)
 
         def hash_group(g: int, group: tuple[int, ...]) -> list[tuple[int, bytes]]:
             digests = []
@@ -418,3 +494,28 @@ class SharedWeightReader:
             digests.update(helper.result())
         wait_for(0, shared.version)
         return _combine_digests((m.name, params[m.name], digests[i]) for i, m in enumerate(shared.metas))
+
+    def _hold(self, shared: SharedWeights | None) -> None:
+        """The parameters view ``shared``'s slot from now on (None: no slot); the lease follows."""
+        self._held = shared
+        if self._lease is not None:
+            self._lease.versions[0] = -1 if shared is None else shared.version
+            self._lease.versions[1] = -1
+
+    def check(self) -> None:
+        """Raise if the slot the parameters view no longer holds their version (the writer overwrote it:
+        what was computed with them mixed two versions)."""
+        if self._held is None:
+            return
+        found = int(self._maps[self._held.path][:8].numpy().view(np.int64)[0])
+        if found != self._held.version:
+            raise RuntimeError(f"weights v{self._held.version} in {self._held.path} were overwritten "
+                               f"({'being written' if found < 0 else f'now v{found}'}) while this engine used them")
+
+    def close(self) -> None:
+        """Release the lease (the parameters must no longer view the slots)."""
+        self._held = None
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
+

@@ -106,6 +106,7 @@ class HFInferenceEngine:
         if self._shared is not None:
             for param in self.model.parameters():
                 param.data = param.data.clone()
+            self._shared.close()
             self._shared = None
 
     def _held_whole(self, checksum: str | None) -> str | None:
@@ -325,6 +326,8 @@ class HFInferenceEngine:
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
 
+        if self._shared is not None:
+            self._shared.check()  # the slot still holds the version generated with: no overwrite mid-call
         width = int(lengths.max()) if rows else 0
         # the outputs go back on CPU (Ray hands them to other actors); the decoding below reads them there
         response_ids, logprobs, lengths = response_ids[:, :width].cpu(), logprobs[:, :width].cpu(), lengths.cpu()

@@ -270,7 +270,8 @@ class TorchTrainEngine:
         return self._base_checksum
 
     def export_shared(self, version: int) -> SharedWeights | None:
-        """Start copying the weights into shared-memory slot ``version % 2`` and return where they go
+        """Start copying the weights into a free shared-memory slot (``SharedWeightWriter``: none that a
+        rollout engine still reads) and return where they go
         (None when ``/dev/shm`` has no room). The copy finishes in the background, so the caller's round
         trip to the receivers overlaps it; receivers wait for it, and so does every method here that
         changes the weights."""

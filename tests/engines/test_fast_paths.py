@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -304,16 +305,127 @@ def test_background_copy_hashes_on_the_way_and_the_reader_hashes_behind_it():
         assert all(torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters()))
 
         shared = writer.write(2, source.named_parameters(), "local")
-        slot = writer._slots[0].numpy()
+        slot = _slot_bytes(writer, shared)
         slot[shared.metas[3].offset + 5] ^= 1  # corrupted after the trainer hashed it
         assert SharedWeightReader().load(target, shared) != writer.wait()
 
-        never = type(shared)(4, shared.path, "local", shared.metas, shared.nbytes, shared.groups)  # slot 0 holds v2
+        never = type(shared)(4, shared.path, "local", shared.metas, shared.nbytes, shared.groups)  # the slot holds v2
         with pytest.raises(TimeoutError, match="were not complete"):
             SharedWeightReader().load(target, never, timeout_s=0.05)
     finally:
         writer.close()
         torch.set_num_threads(threads)
+
+
+def _slot_bytes(writer: SharedWeightWriter, shared) -> np.ndarray:
+    """The bytes of the writer's slot that ``shared`` lies in."""
+    return writer._slots[int(shared.path.rsplit("-", 1)[1])].numpy()
+
+
+def _slot_of(shared) -> int:
+    return int(shared.path.rsplit("-", 1)[1])
+
+
+def _weights(value: float) -> dict[str, torch.Tensor]:
+    return {"weight": torch.full((16, 8), float(value)), "bias": torch.full((16,), float(value))}
+
+
+def _receiver() -> torch.nn.ParameterDict:
+    return torch.nn.ParameterDict({k: torch.nn.Parameter(torch.zeros(v.shape)) for k, v in _weights(0).items()})
+
+
+def test_receivers_that_take_every_version_need_two_slots():
+    writer, reader, receiver = SharedWeightWriter("test-lockstep"), SharedWeightReader(), _receiver()
+    try:
+        slots = []
+        for version in range(1, 7):
+            shared = writer.write(version, _weights(version).items(), "local")
+            reader.load(receiver, shared)
+            reader.check()
+            slots.append(_slot_of(shared))
+        assert slots == [0, 1, 0, 1, 0, 1] and receiver["bias"].detach()[0].item() == 6.0
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_receiver_left_behind_keeps_its_slot_and_is_released_when_it_moves_on():
+    writer = SharedWeightWriter("test-behind")
+    behind, current = (SharedWeightReader(), _receiver()), (SharedWeightReader(), _receiver())
+    try:
+        first = writer.write(1, _weights(1).items(), "local")
+        for reader, receiver in (behind, current):
+            reader.load(receiver, first)
+        slots = []
+        for version in range(2, 7):  # only `current` takes these
+            shared = writer.write(version, _weights(version).items(), "local")
+            current[0].load(current[1], shared)
+            slots.append(_slot_of(shared))
+        assert _slot_of(first) == 0 and 0 not in slots and set(slots) == {1, 2}  # a third slot, not v1's
+        behind[0].check()  # v1's slot is intact: the receiver left behind still computes with v1
+        assert behind[1]["weight"].detach()[0, 0].item() == 1.0 and writer.leased_versions() == {1, 6}
+        behind[0].load(behind[1], shared)  # it moves on to the newest: v1's slot is free again
+        assert writer.leased_versions() == {6}
+        assert _slot_of(writer.write(7, _weights(7).items(), "local")) == 0
+    finally:
+        writer.close()
+        for reader, _ in (behind, current):
+            reader.close()
+
+
+def test_weights_overwritten_under_a_receiver_fail_its_check_and_its_next_load():
+    from dataclasses import replace
+
+    writer, reader, receiver = SharedWeightWriter("test-overwrite"), SharedWeightReader(), _receiver()
+    try:
+        first = writer.write(1, _weights(1).items(), "local")
+        reader.load(receiver, first)
+        os.unlink(reader._lease.path)  # a receiver the writer cannot see
+        writer.write(2, _weights(2).items(), "local")
+        writer.write(3, _weights(3).items(), "local")  # into v1's slot, which nothing leases
+        with pytest.raises(RuntimeError, match=r"weights v1 in .* were overwritten \(now v3\)"):
+            reader.check()
+        with pytest.raises(RuntimeError, match="overwritten by v3 before this receiver read them"):
+            SharedWeightReader().load(_receiver(), replace(first, lease_prefix=""))
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_slots_run_out_only_when_receivers_hold_every_one_and_dead_leases_do_not_count():
+    writer, readers = SharedWeightWriter("test-full"), []
+    try:
+        for version in range(1, 4):  # three receivers, each stuck on its own version
+            readers.append(SharedWeightReader())
+            readers[-1].load(_receiver(), writer.write(version, _weights(version).items(), "local"))
+        writer.write(4, _weights(4).items(), "local")  # the newest: kept for receivers told to read it
+        with pytest.raises(RuntimeError, match=r"all 4 shared-memory weight slots hold versions still in use"):
+            writer.write(5, _weights(5).items(), "local")
+        dead = os.path.join(SHM_DIR, f"{writer.lease_prefix}999999999-0")  # pid 999999999 is not alive
+        np.array([7, -1], dtype=np.int64).tofile(dead)
+        assert writer.leased_versions() == {1, 2, 3} and not os.path.exists(dead)
+        readers.pop(0).close()  # v1's receiver is gone: its slot takes v5
+        assert _slot_of(writer.write(5, _weights(5).items(), "local")) == 0
+    finally:
+        writer.close()
+        for reader in readers:
+            reader.close()
+
+
+def test_the_hf_engine_refuses_to_return_generations_from_overwritten_weights(tiny_model_dir):
+    trainer = TorchTrainEngine(tiny_model_dir, OptimSpec(lr=1e-2), micro_batch_size=4)
+    rollout = HFInferenceEngine(tiny_model_dir)
+    try:
+        assert rollout.update_weights_shared(trainer.export_shared(1)) == trainer.exported_checksum()
+        rollout.generate(["1+2="], SamplingParams(max_new_tokens=2))
+        os.unlink(rollout._shared._lease.path)  # the trainer no longer sees that the engine reads v1
+        for version in (2, 3):
+            trainer.export_shared(version)
+            trainer.exported_checksum()
+        with pytest.raises(RuntimeError, match="were overwritten"):
+            rollout.generate(["1+2="], SamplingParams(max_new_tokens=2))
+    finally:
+        trainer.close()
 
 
 @pytest.mark.parametrize("with_strided", [False, True])
