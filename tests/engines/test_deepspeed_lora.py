@@ -16,7 +16,8 @@ from engines.training.torch import TorchTrainEngine
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.slow  # kept out of the default suite: ZeRO (test_deepspeed) and LoRA on ranks (test_fsdp2_lora) are in it
+@pytest.mark.parametrize("stage", [2, 3])
 def test_zero_stage_trains_the_torch_engines_adapter_syncs_and_resumes(stage, ray_cluster, tiny_model_dir, tmp_path,
                                                                        monkeypatch):
     """5 rows in micro-batches of 2 (rank 0 computes two, rank 1 one and a zero-weight one): 3 steps leave the

@@ -86,6 +86,7 @@ def test_full_flow_keeps_every_batch_within_the_staleness_bound(eta, tmp_path, r
     assert set(result["heldout_accuracy"]) == {"0", "3", "6"}
 
 
+@pytest.mark.slow  # kept out of the default suite's ~12 minutes
 def test_full_flow_replaces_a_rollout_engine_killed_mid_generation(tmp_path, ray_cluster, prefect_server):
     import json
     import os

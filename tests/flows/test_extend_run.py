@@ -14,6 +14,7 @@ from configs.loader import load_config
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.slow  # kept out of the default suite's ~12 minutes
 def test_raising_train_steps_continues_a_finished_run_to_the_new_step(tmp_path, ray_cluster, prefect_server):
     from mlflow.tracking import MlflowClient
 

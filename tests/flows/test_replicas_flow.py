@@ -69,6 +69,7 @@ def _run(tmp_path, name: str, model_dir: str, monkeypatch, *overrides: str) -> t
     return [{k: h.calls.get(k, 0) for k in work} for h in counted], engines, sft_gpus, load_file(run_dir / "final" / "model.safetensors")
 
 
+@pytest.mark.slow  # kept out of the default suite's ~12 minutes
 def test_two_replicas_share_the_work_and_train_as_one(tmp_path, tiny_model_dir, ray_cluster, prefect_server,
                                                       monkeypatch):
     placement = ("placement={rollout: {replicas: 2, gpus: 0.25}, trainer: {gpus: 0.5}, "

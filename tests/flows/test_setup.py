@@ -79,6 +79,7 @@ print(many(40), flush=True)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the server's environment from /proc")
+@pytest.mark.slow  # kept out of the default suite's ~12 minutes
 def test_embedded_server_batches_task_runs_and_writes_every_one_when_it_stops(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp_path), PREFECT_SERVER_ALLOW_EPHEMERAL_MODE="true", PYTHONPATH=str(REPO),
