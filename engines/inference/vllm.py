@@ -112,6 +112,7 @@ class VLLMEngine:
         self._adapter_ids = 0  # each adapter version loads under a new id
         self._adapter_root = Path(tempfile.mkdtemp(prefix="rollflow-vllm-lora-")) if max_lora_rank else None
         self._calls = 0  # generate calls: each names its requests after it
+        self._inbox: dict[str, list] = {}  # per request of a call in progress: (weights version, output) not yet taken
         # Held by each engine step and each weight update; an update waits for the step running, and steps
         # wait while an update is open (begin_update to commit)
         self._gate = threading.Condition(threading.RLock())
@@ -119,7 +120,8 @@ class VLLMEngine:
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> Rollouts:
         """Sample one completion per prompt; rows stop at a stop token (kept as the last token) or
-        ``max_new_tokens``. One call generates at a time: it steps the engine until its requests finish."""
+        ``max_new_tokens``. The call steps the engine until its requests finish; calls on several threads
+        share the engine's batches, each step's outputs going to the call that owns them."""
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -149,6 +151,7 @@ class VLLMEngine:
                                       logprobs=0, detokenize=False,
                                       output_kind=RequestOutputKind.DELTA)  # each step's new tokens
                 row_of[f"rollflow-{self._calls}-{i}"] = i
+                self._inbox[f"rollflow-{self._calls}-{i}"] = []
                 request_ids.append(engine.add_request(f"rollflow-{self._calls}-{i}", TokensPrompt(prompt_token_ids=ids),
                                                       params, lora_request=self._adapter))
         try:
@@ -157,25 +160,36 @@ class VLLMEngine:
                     version = self._version
                     if version != start_version and sampling.on_weight_update == "abort":
                         break  # the rows still decoding stop where the update found them
-                    outputs = engine.step()
-                    if not outputs and not engine.has_unfinished_requests():
-                        raise RuntimeError(f"vLLM finished {len(finished)} of the {rows} requests of this call and holds no other")
-                for output in outputs:
-                    i = row_of.get(output.request_id)
-                    if i is None:
-                        continue
-                    completion = output.outputs[0]
-                    new = list(completion.token_ids)
-                    tokens[i] += new
-                    logprobs[i] += [step[token].logprob for step, token in zip(completion.logprobs, new)]
-                    versions[i] += [version] * len(new)
-                    if output.finished:
-                        finished[i] = "stop" if tokens[i] and tokens[i][-1] in stop_ids else "length"
+                    # Another call (another thread of the actor) may have stepped the engine and left this
+                    # call's outputs in its inbox; step only when there are none
+                    if not any(self._inbox[request_id] for request_id in row_of):
+                        outputs = engine.step()
+                        for output in outputs:
+                            inbox = self._inbox.get(output.request_id)
+                            if inbox is not None:
+                                inbox.append((version, output))
+                        if not outputs and not engine.has_unfinished_requests():
+                            raise RuntimeError(f"vLLM finished {len(finished)} of the {rows} requests of this "
+                                               "call and holds no other")
+                    taken = [(row_of[request_id], self._inbox[request_id]) for request_id in row_of]
+                    for request_id in row_of:
+                        self._inbox[request_id] = []
+                for i, outputs in taken:
+                    for version, output in outputs:
+                        completion = output.outputs[0]
+                        new = list(completion.token_ids)
+                        tokens[i] += new
+                        logprobs[i] += [step[token].logprob for step, token in zip(completion.logprobs, new)]
+                        versions[i] += [version] * len(new)
+                        if output.finished:
+                            finished[i] = "stop" if tokens[i] and tokens[i][-1] in stop_ids else "length"
         finally:
             unfinished = [request_ids[i] for i in range(rows) if i not in finished]
-            if unfinished:  # aborted, or an error: none of this call's requests stays in the engine
-                with self._gate:
+            with self._gate:
+                if unfinished:  # aborted, or an error: none of this call's requests stays in the engine
                     engine.abort_request(unfinished, internal=True)
+                for request_id in row_of:
+                    self._inbox.pop(request_id, None)
         width = max(map(len, tokens), default=0)
         response_ids = torch.full((rows, width), self.tokenizer.pad_token_id, dtype=torch.long)
         logprob_tensor = torch.zeros((rows, width), dtype=torch.float32)

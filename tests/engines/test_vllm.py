@@ -222,6 +222,20 @@ def test_updates_from_the_actors_other_thread_land_between_steps(vllm_engine, ti
 
 @pytest.mark.ray
 @pytest.mark.vllm
+def test_calls_on_two_threads_share_the_engine_and_each_gets_its_own_rows(vllm_engine):
+    import ray
+
+    samplings = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed, stop_token_ids=(0,)) for seed in (1, 2)]
+    alone = [vllm_engine.generate(PROMPTS, sampling) for sampling in samplings]
+    together = ray.get([vllm_engine.handle.generate.options(concurrency_group="generate").remote(PROMPTS, samplings[0]),
+                        vllm_engine.handle.generate.remote(PROMPTS, samplings[1])])  # the default thread
+    for one, other in zip(alone, together):
+        assert "abort" not in other.finish_reasons and torch.equal(one.response_ids, other.response_ids)
+        torch.testing.assert_close(one.logprobs, other.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
 def test_lora_adapter_versions_give_the_lora_trainers_log_probs_and_checksum(ray_cluster, tiny_model_dir):
     from remote_engines import ActorProxy
     from test_lora import LORA, _perturb_adapter
