@@ -52,3 +52,25 @@ def test_agentic_run_trains_and_tracks_episodes(mode, tmp_path, ray_cluster, pre
     assert transcript.startswith("[env] ") and "[model] " in transcript
     state = json.loads((out / "state.json").read_text())
     assert state["step"] == 2
+
+
+@pytest.mark.slow
+def test_agentic_one_step_runs_episodes_ahead_within_one_version(tmp_path, ray_cluster, prefect_server):
+    # Env-level async under the same bound as RLVR's one_step: step k+1's episodes run (environments on their
+    # own, turns batched as they come) while step k trains, and every batch is checked to be at most one
+    # weight version behind the trainer.
+    from mlflow.tracking import MlflowClient
+
+    from flows.pipeline import run_flow
+
+    run_dir = tmp_path / "run"
+    config = load_config("configs/agentic/corridor.yaml", [
+        f"run.dir={run_dir}", "run.name=agentic-one-step", "async.mode=one_step", "algorithm.old_logprobs=trainer",
+        "algorithm.correction=tis", *SMALL, "train.steps=3", "eval.every=3", "checkpoint.every=3"])
+    result = run_flow(config)
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    history = lambda key: sorted((m.step, m.value) for m in client.get_metric_history(result["mlflow_run_id"], key))  # noqa: E731
+    assert history("offpolicy/version_lag") == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    mismatch = dict(history("mismatch/mean_abs_logprob_diff"))
+    assert mismatch[1] < 1e-4 < min(mismatch[2], mismatch[3])  # the trainer moved between sampling and training
+    assert [step for step, _ in history("agentic/Corridor-v0/success_rate")] == [1, 2, 3]
