@@ -55,7 +55,7 @@ from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
 from tasks.pending_batch import PENDING_FILE, load_pending
-from tasks.rollout_stream import RolloutStream
+from tasks.rollout_stream import RolloutStream, stream_calls
 from tasks.score import ScoredBatch, rollout_samples
 from tasks.sync import set_memory_phase, sync_weights
 from tasks.train import train
@@ -150,9 +150,11 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
         role = name.split("/", 1)[1].split("#")[0]
         if role.startswith("rollout") and role not in roles:
             stop_named(name)
-    # partial rollouts: generation on a thread of its own, so weight updates land between its decoding steps
+    # partial rollouts: generation on threads of its own (one per call in flight for vLLM, whose calls share
+    # its batches), so weight updates land between its decoding steps
     partial_rollouts = config.async_.mode == "full" and config.async_.partial_rollout != "wait"
-    groups = {"concurrency_groups": {"generate": 1}} if partial_rollouts else {}
+    threads = stream_calls(config)[0] if config.rollout.engine == "vllm" else 1
+    groups = {"concurrency_groups": {"generate": threads}} if partial_rollouts else {}
 
     def start_rollout(i: int):
         return start_engine(f"rollout/{config.rollout.engine}", role=roles[i], **where("rollout", i), **groups,

@@ -37,14 +37,24 @@ class Unit:
     scored: dict | None = None  # its scoring stats, fetched once it finished
 
 
+def stream_calls(cfg) -> tuple[int, int]:
+    """(generation calls in flight per replica, groups per call) of the stream. vLLM with partial rollouts
+    runs each call on a thread of its own and steps one engine for all of them, so its calls share batches:
+    one group per call, and each group returns, and is scored, as soon as its own rows finish. Otherwise a
+    call generates a batch of groups (the HF engine batches within a call only) while the next one waits."""
+    if cfg.rollout.engine == "vllm" and cfg.async_.partial_rollout != "wait":
+        return 2 * cfg.rollout.prompts_per_step, 1
+    return 2, cfg.rollout.prompts_per_step
+
+
 class RolloutStream:
     """``async.mode: full``: rollout runs continuously and the trainer takes a batch of
     ``rollout.prompts_per_step`` prompt groups as soon as that many have finished.
 
     A thread of the flow's process keeps at most ``in_flight`` generation calls per rollout replica queued,
-    each of up to ``groups_per_call`` groups (a batch by default: one call generates while the next waits,
-    and a weight sync waits behind one call at most); each group is scored by a reward worker as soon as its
-    call returns. With ``async.partial_rollout`` keep or abort, generation runs in the engine's ``generate``
+    each of up to ``groups_per_call`` groups (``stream_calls``: a batch, one call generating while the next
+    waits, so a weight sync waits behind one call at most; or one group per call, calls sharing vLLM's
+    batches); each group is scored by a reward worker as soon as its call returns. With ``async.partial_rollout`` keep or abort, generation runs in the engine's ``generate``
     concurrency group, so a weight sync lands between two of its decoding steps (``SamplingParams.on_weight_update``);
     an aborted group is drawn again. ``engines.staleness.StalenessBound`` admits groups and forms batches within
     ``async.max_staleness`` versions; groups too old to train are dropped and their prompts drawn again. A
@@ -56,12 +66,11 @@ class RolloutStream:
     (``untrained_groups``)."""
 
     def __init__(self, cfg, engines, domains: list, positions: dict[str, int], engine_version: int,
-                 sampling_for: Callable[[int], object], score_spec_for: Callable, in_flight: int = 2,
-                 groups_per_call: int | None = None) -> None:
+                 sampling_for: Callable[[int], object], score_spec_for: Callable) -> None:
         self.cfg, self.engines, self.domains = cfg, engines, domains
         self.positions, self.engine_version = dict(positions), engine_version
-        self.sampling_for, self.score_spec_for, self.in_flight = sampling_for, score_spec_for, in_flight
-        self.groups_per_call = groups_per_call or cfg.rollout.prompts_per_step
+        self.sampling_for, self.score_spec_for = sampling_for, score_spec_for
+        self.in_flight, self.groups_per_call = stream_calls(cfg)
         self.partial = cfg.async_.partial_rollout
         self.aborted = 0  # groups a weight update stopped (partial_rollout: abort), drawn again
         self._calls = 0
