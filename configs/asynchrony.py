@@ -30,10 +30,14 @@ class AsyncConfig(Section):
     generation call in flight (no partial rollouts); keep: the rows decode on with the new weights, each token
     recording its version (Rollouts.token_versions); abort: the rows stop and their groups are drawn again.
     keep and abort need an engine that takes updates between decoding steps (rollout.engine hf or vllm)."""
+    groups_per_call: int | None = Field(None, gt=0)
+    """full: prompt groups per generation call. None: one for vLLM with keep or abort (each call on a thread
+    of the engine's, all sharing vLLM's batches, so a group is scored as soon as its own rows finish), else
+    rollout.prompts_per_step (the HF engine batches within a call only)."""
 
     @model_validator(mode="after")
     def _options_only_for_full(self):
-        for key in ("max_staleness", "partial_rollout"):
+        for key in ("max_staleness", "partial_rollout", "groups_per_call"):
             if key in self.model_fields_set and self.mode != "full":
                 raise CheckError((key,), f"async.{key} is an option of async.mode full, not {self.mode!r}; "
                                  "remove it or set async.mode=full")

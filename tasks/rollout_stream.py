@@ -38,13 +38,14 @@ class Unit:
 
 
 def stream_calls(cfg) -> tuple[int, int]:
-    """(generation calls in flight per replica, groups per call) of the stream. vLLM with partial rollouts
-    runs each call on a thread of its own and steps one engine for all of them, so its calls share batches:
-    one group per call, and each group returns, and is scored, as soon as its own rows finish. Otherwise a
-    call generates a batch of groups (the HF engine batches within a call only) while the next one waits."""
-    if cfg.rollout.engine == "vllm" and cfg.async_.partial_rollout != "wait":
-        return 2 * cfg.rollout.prompts_per_step, 1
-    return 2, cfg.rollout.prompts_per_step
+    """(generation calls in flight per replica, groups per call) of the stream: ``async.groups_per_call``,
+    by default one for vLLM with partial rollouts, which runs each call on a thread of its own and steps one
+    engine for all of them, so its calls share batches and each group returns, and is scored, as soon as its
+    own rows finish; otherwise a batch of groups per call (the HF engine batches within a call only). Calls
+    in flight: two batches' worth, so one generates while the next waits."""
+    shared_batches = cfg.rollout.engine == "vllm" and cfg.async_.partial_rollout != "wait"
+    per_call = cfg.async_.groups_per_call or (1 if shared_batches else cfg.rollout.prompts_per_step)
+    return max(2, -(-2 * cfg.rollout.prompts_per_step // per_call)) if shared_batches else 2, per_call
 
 
 class RolloutStream:
