@@ -101,6 +101,7 @@ def test_async_mode_in_yaml(text, mode):
 @pytest.mark.parametrize("overrides, message", [
     (["async.mode=one_step", "async.max_staleness=2"], "async.max_staleness is an option of async.mode full"),
     (["async.partial_rollout=keep"], "async.partial_rollout is an option of async.mode full"),
+    (["async.mode=one_step", "async.groups_per_call=4"], "async.groups_per_call is an option of async.mode full"),
     (["async.mode=full", "async.partial_rollout=keep", "rollout.engine=vllm", "model.lora.r=4"],
      "an adapter update cannot reach a running request"),
     (["async.mode=full", "algorithm.dynamic_sampling.enabled=true"], "dynamic sampling"),
@@ -110,3 +111,17 @@ def test_async_options_without_effect_are_refused(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config("configs/tiny.yaml", overrides)
+
+
+@pytest.mark.parametrize("overrides, calls", [
+    (["rollout.engine=hf", "async.partial_rollout=keep"], (2, 8)),  # the HF engine batches within a call only
+    (["rollout.engine=vllm", "async.partial_rollout=wait"], (2, 8)),  # one call at a time: no shared batches
+    (["rollout.engine=vllm", "async.partial_rollout=keep"], (16, 1)),  # calls share vLLM's batches
+    (["rollout.engine=vllm", "async.partial_rollout=keep", "async.groups_per_call=4"], (4, 4)),
+])
+def test_stream_calls_in_flight_and_groups_per_call(overrides, calls):
+    from configs.loader import load_config
+    from tasks.rollout_stream import stream_calls
+
+    config = load_config("configs/tiny.yaml", ["async.mode=full", "rollout.prompts_per_step=8", *overrides])
+    assert stream_calls(config) == calls
