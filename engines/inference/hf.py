@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import inspect
 import os
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from engines.inference.gate import UpdateGate
 from engines.models import load_model, load_tokenizer, resolve_device, set_torch_threads
 from engines.protocols import UpdateReport
 from engines.training.logprobs import position_ids_from_mask
@@ -57,7 +56,7 @@ class _OpenUpdate:
     nbytes: int = 0
 
 
-class HFInferenceEngine:
+class HFInferenceEngine(UpdateGate):
     """Rollout engine over a transformers causal LM. Lives in a Ray actor; plain object in tests."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0,
@@ -87,9 +86,7 @@ class HFInferenceEngine:
         self._full_checksum: str | None = None  # the weights of the last whole update, while held unmerged
         self._lora: AdapterMerger | None = None  # a LoRA base and the adapter merged into it
         self._home: torch.device | None = None  # where offload() took the weights from; None while loaded
-        # Held by each forward pass and each weight update: in a threaded actor an update lands between
-        # two decoding steps of a generate call, never inside one (partial rollouts, ``on_weight_update``)
-        self._gate = threading.Condition(threading.RLock())
+        self._init_gate()  # each forward pass is a step (engines.inference.gate)
 
     # -- weights: versioned updates (engines.protocols) ----------------------------------------------
     def begin_update(self, version: int) -> None:
@@ -352,14 +349,6 @@ class HFInferenceEngine:
             token_versions=torch.tensor(step_versions[:width]).expand(rows, width).clone() if partial else None,
         )
 
-    @contextmanager
-    def _step(self):
-        """The gate of one forward pass: it waits while a weight update is open (``begin_update`` to
-        ``commit``), and no update lands while it runs."""
-        with self._gate:
-            self._gate.wait_for(lambda: self._update is None)
-            self._check_ready("generate()")
-            yield
 
 
 def left_pad(sequences: list[list[int]] | list[tuple[int, ...]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,14 +40,13 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from engines.inference.gate import UpdateGate
 from engines.models import load_tokenizer, local_model_path, set_torch_threads
 from engines.protocols import UpdateReport
 from engines.training.lora import AdapterUpdate, adapter_checksum
@@ -70,7 +69,7 @@ class _OpenUpdate:
     nbytes: int = 0
 
 
-class VLLMEngine:
+class VLLMEngine(UpdateGate):
     """Rollout engine over ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", torch_threads: int = 0, seed: int = 0,
@@ -113,9 +112,7 @@ class VLLMEngine:
         self._adapter_root = Path(tempfile.mkdtemp(prefix="rollflow-vllm-lora-")) if max_lora_rank else None
         self._calls = 0  # generate calls: each names its requests after it
         self._inbox: dict[str, list] = {}  # per request of a call in progress: (weights version, output) not yet taken
-        # Held by each engine step and each weight update; an update waits for the step running, and steps
-        # wait while an update is open (begin_update to commit)
-        self._gate = threading.Condition(threading.RLock())
+        self._init_gate()  # each engine step is a step (engines.inference.gate)
 
     # -- generation ----------------------------------------------------------------------------------
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> Rollouts:
@@ -213,15 +210,8 @@ class VLLMEngine:
             token_versions=token_versions if bool((token_versions != start_version).any()) else None,
         )
 
-    @contextmanager
-    def _step(self):
-        """The gate of one engine step: it waits while a weight update is open (``begin_update`` to
-        ``commit``), and no update lands while it runs."""
-        with self._gate:
-            self._gate.wait_for(lambda: self._update is None)
-            self._check_ready("generate()")
-            self._threads_here()
-            yield
+    def _on_step(self) -> None:
+        self._threads_here()
 
     def _threads_here(self) -> None:
         """This thread computes with the engine's thread count (a threaded actor calls on several threads;
