@@ -45,7 +45,8 @@ def stream_calls(cfg) -> tuple[int, int]:
     in flight: two batches' worth, so one generates while the next waits."""
     shared_batches = cfg.rollout.engine == "vllm" and cfg.async_.partial_rollout != "wait"
     per_call = cfg.async_.groups_per_call or (1 if shared_batches else cfg.rollout.prompts_per_step)
-    return max(2, -(-2 * cfg.rollout.prompts_per_step // per_call)) if shared_batches else 2, per_call
+    in_flight = max(2, -(-2 * cfg.rollout.prompts_per_step // per_call)) if shared_batches else 2
+    return in_flight, per_call
 
 
 class RolloutStream:
@@ -55,7 +56,8 @@ class RolloutStream:
     A thread of the flow's process keeps at most ``in_flight`` generation calls per rollout replica queued,
     each of up to ``groups_per_call`` groups (``stream_calls``: a batch, one call generating while the next
     waits, so a weight sync waits behind one call at most; or one group per call, calls sharing vLLM's
-    batches); each group is scored by a reward worker as soon as its call returns. With ``async.partial_rollout`` keep or abort, generation runs in the engine's ``generate``
+    batches); each group is scored by a reward worker as soon as its call returns. With
+    ``async.partial_rollout`` keep or abort, generation runs in the engine's ``generate``
     concurrency group, so a weight sync lands between two of its decoding steps (``SamplingParams.on_weight_update``);
     an aborted group is drawn again. ``engines.staleness.StalenessBound`` admits groups and forms batches within
     ``async.max_staleness`` versions; groups too old to train are dropped and their prompts drawn again. A
