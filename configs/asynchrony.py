@@ -35,6 +35,11 @@ class AsyncConfig(Section):
     of the engine's, all sharing vLLM's batches, so a group is scored as soon as its own rows finish), else
     rollout.prompts_per_step (the HF engine batches within a call only)."""
 
+    @property
+    def partial_rollouts(self) -> bool:
+        """Weight updates land during generation (keep or abort; only async.mode full takes either)."""
+        return self.partial_rollout != "wait"
+
     @model_validator(mode="after")
     def _options_only_for_full(self):
         for key in ("max_staleness", "partial_rollout", "groups_per_call"):

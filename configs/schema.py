@@ -521,12 +521,12 @@ class Config(Section):
             if "agentic" in self.stage_names():
                 raise CheckError(("async.mode",), "async.mode full streams prompt groups; agentic RL batches turns "
                                  "with agentic.runner async instead; use async.mode off or one_step")
-            if self.async_.partial_rollout != "wait" and self.rollout.engine not in ("hf", "vllm"):
+            if self.async_.partial_rollouts and self.rollout.engine not in ("hf", "vllm"):
                 raise CheckError(("async.partial_rollout", "rollout.engine"),
                                  f"async.partial_rollout {self.async_.partial_rollout} needs an engine that takes weight "
                                  f"updates between decoding steps: rollout.engine hf or vllm, not {self.rollout.engine!r}; "
                                  "use async.partial_rollout=wait")
-            if self.async_.partial_rollout != "wait" and self.rollout.engine == "vllm" and self.model.lora is not None:
+            if self.async_.partial_rollouts and self.rollout.engine == "vllm" and self.model.lora is not None:
                 raise CheckError(("async.partial_rollout", "model.lora"),
                                  "vLLM serves each LoRA adapter version to the requests started with it, so an "
                                  f"adapter update cannot reach a running request (async.partial_rollout "

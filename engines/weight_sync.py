@@ -402,6 +402,7 @@ class _Lease:
     """A receiver's lease on a writer's versions: ``/dev/shm/<lease_prefix><pid>-<n>``, two int64s (-1: none)."""
 
     def __init__(self, lease_prefix: str) -> None:
+        self.prefix = lease_prefix
         self.path = os.path.join(SHM_DIR, f"{lease_prefix}{os.getpid()}-{next(_leases)}")
         self.versions = _map(self.path, 8 * LEASE_SLOTS, create=True).numpy().view(np.int64)
         self.versions[:] = -1
@@ -426,7 +427,7 @@ class SharedWeightReader:
         their ``weights_checksum``. Views are hashed as soon as the writer's header shows their bytes
         written, so hashing follows the copy; copies wait for the whole slot. ``TimeoutError`` after
         ``timeout_s`` (default: 10 s plus a second per GB, for a writer that died or failed)."""
-        if shared.lease_prefix and (self._lease is None or not self._lease.path.startswith(os.path.join(SHM_DIR, shared.lease_prefix))):
+        if shared.lease_prefix and (self._lease is None or self._lease.prefix != shared.lease_prefix):
             self.close()
             self._lease = _Lease(shared.lease_prefix)
         if self._lease is not None:

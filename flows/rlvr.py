@@ -55,7 +55,7 @@ from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
 from tasks.pending_batch import PENDING_FILE, load_pending
-from tasks.rollout_stream import RolloutStream, stream_calls
+from tasks.rollout_stream import RolloutStream, calls_share_batches, stream_calls
 from tasks.score import ScoredBatch, rollout_samples
 from tasks.sync import set_memory_phase, sync_weights
 from tasks.train import train
@@ -152,9 +152,8 @@ def start_rl_engines(config: Config, model_path: str, restoring: bool, domains: 
             stop_named(name)
     # partial rollouts: generation on threads of its own (one per call in flight for vLLM, whose calls share
     # its batches), so weight updates land between its decoding steps
-    partial_rollouts = config.async_.mode == "full" and config.async_.partial_rollout != "wait"
-    threads = stream_calls(config)[0] if config.rollout.engine == "vllm" else 1
-    groups = {"concurrency_groups": {"generate": threads}} if partial_rollouts else {}
+    threads = stream_calls(config)[0] if calls_share_batches(config) else 1
+    groups = {"concurrency_groups": {"generate": threads}} if config.async_.partial_rollouts else {}
 
     def start_rollout(i: int):
         return start_engine(f"rollout/{config.rollout.engine}", role=roles[i], **where("rollout", i), **groups,
@@ -226,7 +225,7 @@ def rollout_engine_options(config: Config, common: dict) -> dict:
         return common
     options = {k: v for k, v in common.items() if k != "attn_implementation"}
     lora = {"max_lora_rank": config.model.lora.r} if config.model.lora is not None else {}
-    partial = {"partial_rollouts": True} if config.async_.mode == "full" and config.async_.partial_rollout != "wait" else {}
+    partial = {"partial_rollouts": True} if config.async_.partial_rollouts else {}
     return {**options, **config.rollout.vllm.model_dump(), "seed": config.run.seed, **lora, **partial}
 
 

@@ -37,13 +37,18 @@ class Unit:
     scored: dict | None = None  # its scoring stats, fetched once it finished
 
 
+def calls_share_batches(cfg) -> bool:
+    """vLLM with partial rollouts runs each generation call on a thread of its own and steps one engine for
+    all of them: concurrent calls share its batches (the HF engine batches within a call only)."""
+    return cfg.rollout.engine == "vllm" and cfg.async_.partial_rollouts
+
+
 def stream_calls(cfg) -> tuple[int, int]:
     """(generation calls in flight per replica, groups per call) of the stream: ``async.groups_per_call``,
-    by default one for vLLM with partial rollouts, which runs each call on a thread of its own and steps one
-    engine for all of them, so its calls share batches and each group returns, and is scored, as soon as its
-    own rows finish; otherwise a batch of groups per call (the HF engine batches within a call only). Calls
-    in flight: two batches' worth, so one generates while the next waits."""
-    shared_batches = cfg.rollout.engine == "vllm" and cfg.async_.partial_rollout != "wait"
+    by default one where calls share batches (``calls_share_batches``), so each group returns, and is scored,
+    as soon as its own rows finish; otherwise a batch of groups per call. Calls in flight: two batches'
+    worth, so one generates while the next waits."""
+    shared_batches = calls_share_batches(cfg)
     per_call = cfg.async_.groups_per_call or (1 if shared_batches else cfg.rollout.prompts_per_step)
     in_flight = max(2, -(-2 * cfg.rollout.prompts_per_step // per_call)) if shared_batches else 2
     return in_flight, per_call

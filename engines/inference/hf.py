@@ -350,7 +350,6 @@ class HFInferenceEngine(UpdateGate):
         )
 
 
-
 def left_pad(sequences: list[list[int]] | list[tuple[int, ...]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)``, both ``[N, max_len]``, each sequence right-aligned."""
     width = max(len(s) for s in sequences)

@@ -319,7 +319,7 @@ def test_background_copy_hashes_on_the_way_and_the_reader_hashes_behind_it():
 
 def _slot_bytes(writer: SharedWeightWriter, shared) -> np.ndarray:
     """The bytes of the writer's slot that ``shared`` lies in."""
-    return writer._slots[int(shared.path.rsplit("-", 1)[1])].numpy()
+    return writer._slots[_slot_of(shared)].numpy()
 
 
 def _slot_of(shared) -> int:
