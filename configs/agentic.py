@@ -53,7 +53,8 @@ class AgenticConfig(Section):
     keep_fraction: float = Field(1.0, gt=0, le=1)
     """StarPO-S: train on this share of groups, those with the highest return std; 1 keeps all."""
     eval_seeds: int = Field(32, gt=0)
-    """Held-out episodes of the greedy evaluation (eval/heldout_accuracy is their success rate)."""
+    """Held-out episodes of the evaluation (eval/heldout_accuracy is their success rate; eval.temperature 0:
+    greedy)."""
     eval_seed_base: int = Field(1_000_000, ge=0)
     """First held-out environment seed; training seeds are drawn below it."""
     warm_start_episodes: int = Field(256, gt=0)

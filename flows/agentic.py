@@ -62,7 +62,7 @@ def training_specs(config: Config, step: int) -> list[EpisodeSpec]:
 
 
 def eval_specs(config: Config) -> list[EpisodeSpec]:
-    """The held-out episodes: seeds ``eval_seed_base + i``, one episode each (greedy)."""
+    """The held-out episodes: seeds ``eval_seed_base + i``, one episode each, sampling seed ``i``."""
     section = config.agentic
     return [EpisodeSpec(section.env, section.eval_seed_base + i, i, i, sample_seed=i) for i in range(section.eval_seeds)]
 
@@ -177,8 +177,9 @@ def agentic_batch(config: Config, engines, positions: dict[str, int], step: int)
 
 
 def agentic_eval(config: Config, engines) -> tuple[float, dict[str, float], list[dict]]:
-    """Greedy success rate over the held-out seeds, the per-environment metrics, sample episodes."""
-    _, _, summaries = episodes(config, engines, eval_specs(config), temperature=0.0,
+    """Success rate over the held-out seeds at ``eval.temperature`` (0: greedy), the per-environment metrics,
+    sample episodes."""
+    _, _, summaries = episodes(config, engines, eval_specs(config), temperature=config.eval.temperature,
                                transcripts=config.tracking.num_samples)
     success = sum(s["success"] for s in summaries) / max(len(summaries), 1)
     return success, episode_metrics(summaries, "eval"), sample_rows(summaries)

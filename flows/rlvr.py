@@ -425,7 +425,7 @@ def teacher_scoring(cfg: Config, engines: RLEngines, scored: ScoredBatch) -> dic
 
 def heldout_eval(config: Config, engines: RLEngines, domains: list) -> tuple[float, dict[str, float], list[dict]]:
     """Held-out accuracy over every domain's rows, each domain's own, and sample generations; for agentic RL
-    the greedy success rate over the held-out environment seeds (``flows/agentic.py``)."""
+    the success rate over the held-out environment seeds (``flows/agentic.py``)."""
     if engines.env_workers:
         return agentic_eval(config, engines)
     sampling = SamplingParams(max_new_tokens=config.rollout.max_new_tokens, temperature=config.eval.temperature,

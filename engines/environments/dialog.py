@@ -21,7 +21,8 @@ class GuessTheNumber:
     """Guess a secret integer in ``[low, high]``; the state lives in the dialog history.
 
     Observation: ``1-16?`` at reset; after a guess only ``higher`` (the secret is larger), ``lower`` or
-    ``correct``. Action: an integer in range, e.g. ``8``; anything else (out of range, ``8.0``, ``eight``)
+    ``correct``, or with ``echo`` the guess and its answer, ``8 higher`` (as TextArena's "Your guess of 8 is
+    lower"): either way the bounds are for the policy to gather from the dialog. Action: an integer in range, e.g. ``8``; anything else (out of range, ``8.0``, ``eight``)
     is invalid and answered ``invalid``. ``reset(seed)`` draws the secret. ``correct``: reward 1.0,
     terminated, success; other guesses: reward 0.0. ``state_key`` is what the guesses told, order
     and repeats aside: ``1-16?`` then ``guess:feedback`` pairs sorted by guess, e.g. ``1-16? 4:higher
@@ -31,10 +32,10 @@ class GuessTheNumber:
 
     instructions = "Guess the number. Answer an integer."
 
-    def __init__(self, *, low: int = 1, high: int = 16, format_penalty: float = -0.1) -> None:
+    def __init__(self, *, low: int = 1, high: int = 16, echo: bool = False, format_penalty: float = -0.1) -> None:
         if low > high:
             raise ValueError(f"GuessTheNumber-v0: low must be at most high, got low={low}, high={high}")
-        self.low, self.high, self.format_penalty = low, high, format_penalty
+        self.low, self.high, self.echo, self.format_penalty = low, high, echo, format_penalty
         self._secret: int | None = None
         self._history: list[tuple[int, str]] = []
         self._done = False
@@ -52,7 +53,8 @@ class GuessTheNumber:
         feedback = "higher" if guess < self._secret else "lower" if guess > self._secret else "correct"
         self._history.append((guess, feedback))
         self._done = feedback == "correct"
-        return feedback, float(self._done), self._done, False, step_info(success=self._done, guesses=len(self._history))
+        observation = f"{guess} {feedback}" if self.echo else feedback
+        return observation, float(self._done), self._done, False, step_info(success=self._done, guesses=len(self._history))
 
     def close(self) -> None:
         """Nothing to release."""

@@ -32,6 +32,13 @@ def test_guess_the_number_transcript():
     ]
 
 
+def test_guess_echo_puts_the_guess_before_its_answer():
+    env = make("GuessTheNumber-v0", echo=True)
+    env.reset(seed=0)  # secret 13
+    assert [env.step(a)[0] for a in ["8", " 14", "x", "13"]] == ["8 higher", "14 lower", "invalid", "13 correct"]
+    assert env.state_key() == "1-16? 8:higher 13:correct 14:lower"  # the same key as without echo
+
+
 def test_guess_state_key_is_what_the_guesses_told():
     first, second = make("GuessTheNumber-v0"), make("GuessTheNumber-v0")
     first.reset(seed=0)
