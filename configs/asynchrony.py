@@ -5,7 +5,8 @@
 weights from before step k's update; each batch is one weight version behind the trainer (the first none),
 on a fixed schedule, so a run is as deterministic as a synchronous one and resumes bit-exactly (the batch
 generated ahead is saved with each checkpoint; ``flows/asynchrony.py``).
-``full``: rollout never waits for the trainer, within ``max_staleness`` versions (``tasks/rollout_stream.py``)."""
+``full``: rollout never waits for the trainer, within ``max_staleness`` versions (``tasks/rollout_stream.py``;
+for agentic RL ``tasks/episode_stream.py``)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class AsyncConfig(Section):
     groups_per_call: int | None = Field(None, gt=0)
     """full: prompt groups per generation call. None: one for vLLM with keep or abort (each call on a thread
     of the engine's, all sharing vLLM's batches, so a group is scored as soon as its own rows finish), else
-    rollout.prompts_per_step (the HF engine batches within a call only)."""
+    rollout.prompts_per_step (the HF engine batches within a call only). Agentic RL: episode groups per
+    environment worker call; None: a batch's groups split over agentic.workers."""
 
     @property
     def partial_rollouts(self) -> bool:

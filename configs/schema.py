@@ -518,9 +518,9 @@ class Config(Section):
             raise CheckError(("train.mini_batches", "rollout.prompts_per_step"), f"train.mini_batches "
                                   f"({self.train.mini_batches}) exceeds the {units} {what} of a rollout batch; lower it")
         if self.async_.mode == "full":
-            if "agentic" in self.stage_names():
-                raise CheckError(("async.mode",), "async.mode full streams prompt groups; agentic RL batches turns "
-                                 "with agentic.runner async instead; use async.mode off or one_step")
+            if "agentic" in self.stage_names() and self.async_.partial_rollouts:
+                raise CheckError(("async.partial_rollout",), "agentic episodes take weight updates between turns (each "
+                                 "turn is its own generation call), never within one; use async.partial_rollout=wait")
             if self.async_.partial_rollouts and self.rollout.engine not in ("hf", "vllm"):
                 raise CheckError(("async.partial_rollout", "rollout.engine"),
                                  f"async.partial_rollout {self.async_.partial_rollout} needs an engine that takes weight "

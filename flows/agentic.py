@@ -61,6 +61,16 @@ def training_specs(config: Config, step: int) -> list[EpisodeSpec]:
     return specs
 
 
+def group_specs(config: Config, number: int) -> list[EpisodeSpec]:
+    """``async.mode: full``'s episode group ``number`` (admission order, ``tasks/episode_stream.py``): its
+    environment seed and its episodes' sampling seeds are pure functions of the run seed and ``number``."""
+    section, group_size = config.agentic, config.rollout.group_size
+    base = (config.run.seed * 1_000_003 + number) * 104_729 + 1
+    env_seed = base % min(section.eval_seed_base or SEED_SPACE, SEED_SPACE)
+    return [EpisodeSpec(section.env, env_seed, number, member, sample_seed=base * 65_537 + member)
+            for member in range(group_size)]
+
+
 def eval_specs(config: Config) -> list[EpisodeSpec]:
     """The held-out episodes: seeds ``eval_seed_base + i``, one episode each, sampling seed ``i``."""
     section = config.agentic
@@ -157,13 +167,20 @@ def episodes(config: Config, engines, specs: list[EpisodeSpec], temperature: flo
 def agentic_batch(config: Config, engines, positions: dict[str, int], step: int):
     """Step ``step``'s episodes as a ``ScoredBatch`` (``flows/rlvr.py``) whose ``agentic`` entry holds the
     step advantages and masked rows for ``compute_advantages``."""
-    from tasks.score import ScoredBatch
-
     metrics: dict[str, float] = {}
     sampled = bool(config.tracking.sample_every) and step % config.tracking.sample_every == 0
     with timed(metrics, "time/rollout"):
         rollouts_ref, returns_ref, summaries = episodes(config, engines, training_specs(config, step),
                                                         transcripts=config.tracking.num_samples if sampled else 0)
+    return episode_batch(config, rollouts_ref, returns_ref, summaries, positions, metrics, step)
+
+
+def episode_batch(config: Config, rollouts_ref, returns_ref, summaries: list[dict], positions: dict[str, int],
+                  metrics: dict[str, float], step: int):
+    """The episodes ``summaries`` (their rows in ``rollouts_ref``/``returns_ref``) as step ``step``'s
+    ``ScoredBatch``, advantages and episode metrics computed (added to ``metrics``)."""
+    from tasks.score import ScoredBatch
+
     check_errors(config, summaries, step)
     advantages, masked, advantage_metrics = agentic_advantages(config, summaries)
     metrics.update(episode_metrics(summaries, "agentic"))

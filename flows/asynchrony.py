@@ -19,7 +19,7 @@ The batch in flight is sampled on a thread of the flow's process in a copy of it
 are tasks of the flow run; the sampling itself runs in the rollout engines and reward workers (Ray).
 
 ``full``: rollout never waits for the trainer, within a staleness bound (``tasks/rollout_stream.py``'s
-``RolloutStream``)."""
+``RolloutStream``; for agentic RL ``tasks/episode_stream.py``'s ``EpisodeStream``)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from prefect.utilities.annotations import quote  # large task arguments: Prefect
 
 from configs.placement import PlacementConfig
 from configs.schema import Config
-from flows.agentic import agentic_eval, start_env_workers
+from flows.agentic import agentic_eval, episode_batch, group_specs, start_env_workers
 from flows.asynchrony import OneStepAhead, pending_files
 from flows.sampling import call_sampling, sample_step, score_spec
 from flows.setup import (checkpoint_root, domain_rewards, load_domains, reserve_placement, stage_dir,
@@ -55,6 +55,7 @@ from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
 from tasks.evaluate import evaluate
 from tasks.pending_batch import PENDING_FILE, load_pending
+from tasks.episode_stream import EpisodeStream
 from tasks.rollout_stream import RolloutStream, calls_share_batches, stream_calls
 from tasks.score import ScoredBatch, rollout_samples
 from tasks.sync import set_memory_phase, sync_weights
@@ -327,14 +328,15 @@ class RLState:
 
 def rl_step(cfg: Config, engines: RLEngines, domains: list, state: RLState, step: int, *,
             reward_failures: RewardFailureMonitor, ahead: OneStepAhead | None = None,
-            stream: RolloutStream | None = None) -> tuple[ScoredBatch, dict[str, float]]:
+            stream: RolloutStream | EpisodeStream | None = None) -> tuple[ScoredBatch, dict[str, float]]:
     """One RL step: generate → score (→ refill) → compute_advantages → train (critic, then policy) →
     sync_weights, and the adaptive KL controller; advances ``state`` and returns the batch and metrics.
 
     With ``ahead`` (``async.mode: one_step``) the batch was generated during the previous step's training;
     taking it syncs the trainer's weights to the rollout engines and starts the next batch, so this step
     ends without a sync. With ``stream`` (``async.mode: full``) the batch is the first ``prompts_per_step``
-    groups the continuous rollout finished; dead rollout replicas are replaced before the sync."""
+    groups (of prompts, or of episodes) the continuous rollout finished; dead rollout replicas are replaced
+    before the sync."""
     alg = cfg.algorithm
     sync = partial(push_weights, cfg, engines)
     memory = engines.memory_phase("generate")
@@ -487,7 +489,10 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
         tracker.log_samples("eval_step_000000", samples[: cfg.tracking.num_samples])
 
     stream = None
-    if cfg.async_.mode == "full" and state.step < cfg.train.steps:  # after the evaluation: its weights are v0's alone
+    if cfg.async_.mode == "full" and state.step < cfg.train.steps and engines.env_workers:
+        stream = EpisodeStream(cfg, engines, state.domain_positions.get("episode_groups", 0), state.weights_version,
+                               partial(group_specs, cfg), partial(episode_batch, cfg))
+    elif cfg.async_.mode == "full" and state.step < cfg.train.steps:  # after the evaluation: its weights are v0's alone
         stream = RolloutStream(cfg, engines, domains, state.domain_positions, state.weights_version,
                                lambda call: call_sampling(cfg, engines, call),
                                lambda domain: score_spec(cfg, domain, engines))

@@ -82,6 +82,7 @@ class Generation:
     logprobs: list[float]
     finish: str  # stop | length
     text: str  # decoded, stop token stripped
+    weights_version: int = 0  # of the weights that sampled it
 
 
 class Policy(Protocol):
@@ -102,6 +103,7 @@ class Turn:
     valid: bool = True
     observation: str = ""  # the environment's answer to the action
     next_ids: list[int] = field(default_factory=list)  # template + observation tokens before the next action
+    weights_version: int = 0  # of the weights that sampled the action (turns of one episode may differ)
 
 
 ENDINGS = ("terminated", "truncated", "max_turns", "context", "error")
@@ -207,7 +209,8 @@ class EpisodeRun:
             key = self._state_key(self.env)
         except Exception as exc:  # noqa: BLE001
             return self._end("error", f"state_key: {type(exc).__name__}: {exc}")
-        turn = Turn(list(generation.ids), list(generation.logprobs), finish, generation.text, key)
+        turn = Turn(list(generation.ids), list(generation.logprobs), finish, generation.text, key,
+                    weights_version=generation.weights_version)
         self.episode.turns.append(turn)
         self._ids = self._ids + self._action_tokens(turn)
         try:
@@ -361,7 +364,7 @@ class EnginePolicy:
             for j, i in enumerate(rows):
                 n = int(rollouts.response_lengths[j])
                 out[i] = Generation(rollouts.response_ids[j, :n].tolist(), rollouts.logprobs[j, :n].tolist(),
-                                    rollouts.finish_reasons[j], rollouts.completions[j])
+                                    rollouts.finish_reasons[j], rollouts.completions[j], rollouts.weights_version)
         return out  # type: ignore[return-value]
 
 
@@ -369,7 +372,9 @@ def to_rollouts(episodes: list[Episode], pad_token_id: int, weights_version: int
     """One multi-turn ``Rollouts`` row per episode: the first prompt, then each action followed by the tokens
     before the next action; the loss mask is 1 on the actions' tokens only, each action and the tokens after
     it form one segment (``turn_index``). An episode without a turn (its reset failed) is one padding token
-    with nothing to train on."""
+    with nothing to train on. ``weights_version`` is the oldest version that sampled an action
+    (``weights_version`` given: when there is no action); when the actions' versions differ (weights updated
+    between turns), ``token_versions`` holds each action's."""
     import torch
 
     from engines.types import Rollouts
@@ -381,6 +386,9 @@ def to_rollouts(episodes: list[Episode], pad_token_id: int, weights_version: int
     logprobs = torch.zeros((rows, width), dtype=torch.float32)
     loss_mask = torch.zeros((rows, width), dtype=torch.float32)
     turn_index = torch.zeros((rows, width), dtype=torch.long)
+    versions = {t.weights_version for e in episodes for t in e.turns}
+    oldest = min(versions, default=weights_version)
+    token_versions = torch.full((rows, width), oldest, dtype=torch.long)
     lengths = torch.zeros(rows, dtype=torch.long)
     for i, (episode, response) in enumerate(zip(episodes, responses)):
         t = 0
@@ -389,6 +397,7 @@ def to_rollouts(episodes: list[Episode], pad_token_id: int, weights_version: int
             logprobs[i, t: t + n] = torch.tensor(turn.logprobs, dtype=torch.float32)
             loss_mask[i, t: t + n] = 1.0
             turn_index[i, t: t + n + m] = k
+            token_versions[i, t: t + n + m] = turn.weights_version
             t += n + m
         response_ids[i, : len(response)] = torch.tensor(response, dtype=torch.long)
         lengths[i] = len(response)
@@ -399,7 +408,8 @@ def to_rollouts(episodes: list[Episode], pad_token_id: int, weights_version: int
         response_lengths=lengths,
         finish_reasons=["stop" if e.ending == "terminated" else "length" for e in episodes],
         completions=[" | ".join(t.text for t in e.turns) for e in episodes],
-        weights_version=weights_version,
+        weights_version=oldest,
         response_loss_mask=loss_mask,
         response_turn_index=turn_index,
+        token_versions=token_versions if len(versions) > 1 else None,
     )

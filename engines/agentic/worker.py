@@ -29,7 +29,8 @@ def summarize_episode(episode: Episode) -> dict:
             "step_rewards": episode.step_rewards, "state_keys": episode.state_keys, "ending": episode.ending,
             "success": episode.success, "error": episode.error, "turns": len(episode.turns),
             "invalid": sum(not t.valid for t in episode.turns),
-            "finishes": dict(Counter(t.finish for t in episode.turns)), "metrics": episode.metrics}
+            "finishes": dict(Counter(t.finish for t in episode.turns)), "metrics": episode.metrics,
+            "weights_version": min((t.weights_version for t in episode.turns), default=None)}  # its first action's
 
 
 class EnvWorker:

@@ -74,3 +74,32 @@ def test_agentic_one_step_runs_episodes_ahead_within_one_version(tmp_path, ray_c
     mismatch = dict(history("mismatch/mean_abs_logprob_diff"))
     assert mismatch[1] < 1e-4 < min(mismatch[2], mismatch[3])  # the trainer moved between sampling and training
     assert [step for step, _ in history("agentic/Corridor-v0/success_rate")] == [1, 2, 3]
+
+
+@pytest.mark.slow  # ~80 s, kept out of the default suite's ~12 minutes
+def test_agentic_full_streams_episode_groups_within_the_staleness_bound(tmp_path, ray_cluster, prefect_server):
+    # async.mode full with environments: episode groups run continuously while the trainer trains, weights
+    # reach the engines between turns, and no trained group started more than η versions behind.
+    from mlflow.tracking import MlflowClient
+
+    from engines import checkpoint_store as store
+    from flows.pipeline import run_flow
+    from flows.setup import checkpoint_root
+
+    run_dir, steps = tmp_path / "run", 4
+    config = load_config("configs/agentic/corridor.yaml", [
+        f"run.dir={run_dir}", "run.name=agentic-full", "async.mode=full", "async.max_staleness=1",
+        "algorithm.old_logprobs=trainer", *SMALL, f"train.steps={steps}", "eval.every=0", "checkpoint.every=2"])
+    result = run_flow(config)
+    client, groups = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db"), config.rollout.prompts_per_step
+    history = lambda key: {m.step: m.value for m in client.get_metric_history(result["mlflow_run_id"], key)}  # noqa: E731
+    lag_max = history("async/version_lag_max")
+    assert sorted(lag_max) == list(range(1, steps + 1))
+    assert lag_max[1] == 0 and max(lag_max.values()) == 1  # rollout ran ahead, never past η
+    assert history("offpolicy/version_lag") == lag_max  # the trainer's own check agrees
+    for step in range(1, steps + 1):
+        assert sum(history(f"async/version_lag_{lag}")[step] for lag in (0, 1)) == groups
+    # every group number handed out is trained, waiting, or counted as dropped or aborted
+    state = store.read_json(store.join(store.step_dir(checkpoint_root(config, "agentic"), 2), "state.json"))
+    lost = sum(history(f"async/{kind}_groups")[2] for kind in ("dropped", "aborted"))
+    assert state["domain_positions"]["episode_groups"] == 2 * groups + state["untrained_groups"] + lost

@@ -125,3 +125,11 @@ def test_stream_calls_in_flight_and_groups_per_call(overrides, calls):
 
     config = load_config("configs/tiny.yaml", ["async.mode=full", "rollout.prompts_per_step=8", *overrides])
     assert stream_calls(config) == calls
+
+
+def test_agentic_full_takes_updates_between_turns_only():
+    from configs.loader import ConfigError, load_config
+
+    assert load_config("configs/agentic/corridor.yaml", ["async.mode=full"]).async_.mode == "full"
+    with pytest.raises(ConfigError, match="between turns"):
+        load_config("configs/agentic/corridor.yaml", ["async.mode=full", "async.partial_rollout=keep"])

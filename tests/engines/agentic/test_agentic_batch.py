@@ -118,3 +118,27 @@ def test_starpo_s_masks_the_groups_with_the_lowest_return_spread():
     _, masked, metrics = agentic_advantages(_config("agentic.keep_fraction=0.5"), summaries)
     assert masked == [0, 1, 4, 5]  # groups 0 and 2 (std 0) leave; groups 1 and 3 (std 0.71) stay
     assert metrics["agentic/kept_group_frac"] == 0.5
+
+
+def test_each_action_keeps_the_version_of_the_weights_that_sampled_it(rollout):
+    """Weights updated between turns (async.mode full): each action's tokens carry the version that sampled
+    them; the batch and each episode count from their oldest (the staleness bound's)."""
+    import dataclasses
+
+    random_moves = random_policy(rollout.tokenizer)
+    calls = []
+
+    class VersionPerCall:  # the engine's weights move on after every generation call
+        def generate(self, requests):
+            calls.append(len(requests))
+            return [dataclasses.replace(g, weights_version=len(calls) + 4) for g in random_moves.generate(requests)]
+
+    episodes, rollouts, summaries = rollout("Corridor-v0", groups=2, group_size=2, max_turns=4, policy=VersionPerCall())
+    versions = [[t.weights_version for t in e.turns] for e in episodes]
+    assert len({v for episode in versions for v in episode}) > 1 and min(min(v) for v in versions) == 5
+    assert rollouts.weights_version == 5
+    for i, episode in enumerate(versions):
+        assert summaries[i]["weights_version"] == min(episode)
+        for k, version in enumerate(episode, start=1):
+            action = (rollouts.turn_index()[i] == k) & (rollouts.model_token_mask()[i] > 0)
+            assert action.sum() > 0 and set(rollouts.token_versions[i][action].tolist()) == {version}
