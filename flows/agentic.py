@@ -67,7 +67,7 @@ def group_specs(config: Config, number: int) -> list[EpisodeSpec]:
     section, group_size = config.agentic, config.rollout.group_size
     base = (config.run.seed * 1_000_003 + number) * 104_729 + 1
     env_seed = base % min(section.eval_seed_base or SEED_SPACE, SEED_SPACE)
-    return [EpisodeSpec(section.env, env_seed, number, member, sample_seed=base * 65_537 + member)
+    return [EpisodeSpec(section.env, env_seed, number, number * group_size + member, sample_seed=base * 65_537 + member)
             for member in range(group_size)]
 
 

@@ -53,9 +53,9 @@ from engines.types import SamplingParams
 from tasks.advantages import compute_advantages
 from tasks.checkpoint import checkpoint, restore, save_model
 from tasks.common import timed
+from tasks.episode_stream import EpisodeStream
 from tasks.evaluate import evaluate
 from tasks.pending_batch import PENDING_FILE, load_pending
-from tasks.episode_stream import EpisodeStream
 from tasks.rollout_stream import RolloutStream, calls_share_batches, stream_calls
 from tasks.score import ScoredBatch, rollout_samples
 from tasks.sync import set_memory_phase, sync_weights

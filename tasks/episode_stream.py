@@ -96,7 +96,8 @@ class EpisodeStream:
         metrics = {"async/wait_s": waited, "async/version_lag_mean": sum(lags) / len(lags),
                    "async/version_lag_max": float(max(lags)), "async/untrained_groups": float(untrained),
                    "async/dropped_groups": float(self.bound.dropped), "async/aborted_groups": float(self.bound.aborted)}
-        metrics.update({f"async/version_lag_{lag}": float(lags.count(lag)) for lag in range(self.cfg.async_.max_staleness + 1)})
+        for lag in range(self.cfg.async_.max_staleness + 1):
+            metrics[f"async/version_lag_{lag}"] = float(lags.count(lag))
         return self.to_batch(rollouts_ref, returns_ref, summaries, positions, metrics, step), []
 
     def sync(self, sync: Callable[[list, int], None], version: int, replace_dead: Callable | None = None) -> None:
@@ -146,7 +147,8 @@ class EpisodeStream:
                 worker = min(free, key=lambda i: len(calls[i]))
                 specs = [spec for group in groups for spec in self.specs_for(group.index)]
                 engine = self.engines.rollouts[worker % len(self.engines.rollouts)]
-                call = tuple(workers[worker].collect.options(num_returns=3).remote(specs, engine, self.cfg.agentic.runner))
+                collect = workers[worker].collect.options(num_returns=3)
+                call = tuple(collect.remote(specs, engine, self.cfg.agentic.runner))
                 for offset, group in enumerate(groups):
                     group.worker, group.call = worker, call
                     group.rows = tuple(range(offset * size, (offset + 1) * size))

@@ -22,12 +22,12 @@ class GuessTheNumber:
 
     Observation: ``1-16?`` at reset; after a guess only ``higher`` (the secret is larger), ``lower`` or
     ``correct``, or with ``echo`` the guess and its answer, ``8 higher`` (as TextArena's "Your guess of 8 is
-    lower"): either way the bounds are for the policy to gather from the dialog. Action: an integer in range, e.g. ``8``; anything else (out of range, ``8.0``, ``eight``)
-    is invalid and answered ``invalid``. ``reset(seed)`` draws the secret. ``correct``: reward 1.0,
-    terminated, success; other guesses: reward 0.0. ``state_key`` is what the guesses told, order
-    and repeats aside: ``1-16?`` then ``guess:feedback`` pairs sorted by guess, e.g. ``1-16? 4:higher
-    8:lower``. The oracle bisects what is still possible: at most ``ceil(log2(high - low + 2))`` guesses
-    (5 for 1-16). ``metrics``: ``guesses`` (valid guesses so far).
+    lower"): either way the bounds are for the policy to gather from the dialog. Action: an integer in
+    range, e.g. ``8``; anything else (out of range, ``8.0``, ``eight``) is invalid and answered ``invalid``.
+    ``reset(seed)`` draws the secret. ``correct``: reward 1.0, terminated, success; other guesses: reward
+    0.0. ``state_key`` is what the guesses told, order and repeats aside: ``1-16?`` then ``guess:feedback``
+    pairs sorted by guess, e.g. ``1-16? 4:higher 8:lower``. The oracle bisects what is still possible: at
+    most ``ceil(log2(high - low + 2))`` guesses (5 for 1-16). ``metrics``: ``guesses`` (valid guesses so far).
     """
 
     instructions = "Guess the number. Answer an integer."
@@ -54,7 +54,8 @@ class GuessTheNumber:
         self._history.append((guess, feedback))
         self._done = feedback == "correct"
         observation = f"{guess} {feedback}" if self.echo else feedback
-        return observation, float(self._done), self._done, False, step_info(success=self._done, guesses=len(self._history))
+        info = step_info(success=self._done, guesses=len(self._history))
+        return observation, float(self._done), self._done, False, info
 
     def close(self) -> None:
         """Nothing to release."""
