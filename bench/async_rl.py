@@ -10,6 +10,12 @@ samples, and with them the work per step, the same in both modes; the figure is 
 the steps after the first (whose batch nobody generated ahead), evaluation and checkpoints off.
 
     python bench/async_rl.py [steps=20] [prompts=8] [max_new_tokens=64] [size=bench] [engine=hf] [modes=off,...]
+                             [ppo_epochs=1]
+
+Overlap can at best turn a step of generating (G) then training (T) into one of max(G, T): a speedup of
+(G + T) / max(G, T), at most 2 when the two are equal. The synchronous run prints both (``generate`` and
+``train`` medians); ``ppo_epochs=2`` trains each batch twice, which at the bench size brings T near G, as a
+disaggregated deployment sizes its rollout and training pools to balance them.
 
 Modes: ``off`` (synchronous, always run: the baseline), ``one_step``, ``full`` with η = 1 and 2 (a sync waits
 for the generation call in flight), and with η = 2 and ``partial_rollout: keep`` (a sync lands between
@@ -34,6 +40,10 @@ MODES = {"off": ["async.mode=off"], "one_step": ["async.mode=one_step"],
 STOPS = "['9']"
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
 def run_mode(mode: str, scratch: str, model_dir: str, args: dict) -> dict:
     """One run in ``mode``; its samples trained per second, step-time and generation-time medians."""
     from mlflow.tracking import MlflowClient
@@ -46,7 +56,8 @@ def run_mode(mode: str, scratch: str, model_dir: str, args: dict) -> dict:
     config = load_config("configs/tiny.yaml", [
         f"run.dir={run_dir}", f"run.name=bench-async-{mode}", "model.source=hf", f"model.path={model_dir}",
         "run.torch_threads=1", *(o.format(**args) for o in MODES[mode]), "algorithm.old_logprobs=trainer", f"rollout.engine={engine}",
-        f"train.steps={args['steps']}", "train.optim.lr=1e-9", f"rollout.prompts_per_step={args['prompts']}", "rollout.group_size=8",
+        f"train.steps={args['steps']}", f"train.ppo_epochs={args['ppo_epochs']}", "train.optim.lr=1e-9",
+        f"rollout.prompts_per_step={args['prompts']}", "rollout.group_size=8",
         f"rollout.max_new_tokens={args['max_new_tokens']}", f"rollout.stop={STOPS}", "train.micro_batch_size=16",
         "eval.every=0", "eval.num_prompts=8", "checkpoint.every=1000", "tracking.sample_every=0",
         "tracking.log_model=false", "tracking.register_model=false"])
@@ -55,11 +66,13 @@ def run_mode(mode: str, scratch: str, model_dir: str, args: dict) -> dict:
     wall = time.perf_counter() - start
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     history = {key: [m.value for m in sorted(client.get_metric_history(result["mlflow_run_id"], key), key=lambda m: m.step)]
-               for key in ("time/step", "time/train", "response/length_mean", "response/length_max")}
+               for key in ("time/step", "time/train", "time/generate_and_score", "response/length_mean",
+                           "response/length_max")}
     later = history["time/step"][1:-1]  # the first step waits for its own batch; the last one evaluates
     samples = args["prompts"] * 8 * len(later)
     return {"samples_per_s": samples / sum(later), "step_s": sorted(later)[len(later) // 2],
             "train_s": sorted(history["time/train"])[len(later) // 2], "wall_s": wall,
+            "generate_s": median(history["time/generate_and_score"]),
             "length_mean": sum(history["response/length_mean"]) / len(history["response/length_mean"]),
             "length_max": max(history["response/length_max"])}
 
@@ -74,20 +87,23 @@ def main(argv: list[str]) -> dict:
     args = dict(a.split("=", 1) for a in argv)
     args = {"steps": int(args.get("steps", 20)), "prompts": int(args.get("prompts", 8)),
             "max_new_tokens": int(args.get("max_new_tokens", 64)), "size": args.get("size", "bench"),
-            "engine": args.get("engine", "hf"), "modes": ["off", *(m for m in args.get("modes", ",".join(MODES)).split(",") if m != "off")]}
+            "engine": args.get("engine", "hf"), "ppo_epochs": int(args.get("ppo_epochs", 1)),
+            "modes": ["off", *(m for m in args.get("modes", ",".join(MODES)).split(",") if m != "off")]}
     scratch = scratch_dir("async")
     train, _ = arithmetic_rows()
     model_dir = build_model(args["size"], f"{scratch}/model", train, max_positions=128)
     ensure_ray()
     start_prefect_server()
     print(f"{args['steps']} steps of {args['prompts']} x 8 completions, <= {args['max_new_tokens']} tokens (stop at "
-          f"{STOPS}), model size {args['size']}, rollout engine {args['engine']}, torch_threads 1 per engine")
+          f"{STOPS}), model size {args['size']}, rollout engine {args['engine']}, torch_threads 1 per engine, "
+          f"ppo_epochs {args['ppo_epochs']}")
     results = {}
     for mode in args["modes"]:
         if mode == "full_eta2_keep_batch" and args["engine"] != "vllm":
             continue  # the HF engine's default already
         results[mode] = figures = run_mode(mode, scratch, model_dir, args)
-        print(f"{mode:<15} {figures['samples_per_s']:7.1f} samples/s   step {figures['step_s']:.2f} s   "
+        generate = f"generate {figures['generate_s']:.2f} s   " if mode == "off" else ""
+        print(f"{mode:<15} {figures['samples_per_s']:7.1f} samples/s   step {figures['step_s']:.2f} s   {generate}"
               f"train {figures['train_s']:.2f} s   response length mean {figures['length_mean']:.1f} "
               f"max {figures['length_max']:.0f}   ({figures['wall_s']:.0f} s with start-up)", flush=True)
     base = results["off"]["samples_per_s"]

@@ -13,6 +13,7 @@ from typing import Callable
 import ray
 
 from engines.staleness import StalenessBound
+from tasks.stream_loop import StreamLoop
 
 
 @dataclass
@@ -56,11 +57,9 @@ class EpisodeStream:
         self.in_flight = 2
         self.bound = StalenessBound(cfg.rollout.prompts_per_step, cfg.async_.max_staleness)
         self.running: list[EpisodeGroup] = []
-        self._lock, self._changed = threading.Lock(), threading.Condition()
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="episode-stream", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._loop = StreamLoop("episode stream", self._round)
+        self._loop.start()
 
     # -- the flow's side ---------------------------------------------------------------------------------
     def next_batch(self, step: int, trainer_version: int, replace_dead: Callable | None = None) -> tuple[object, list]:
@@ -68,15 +67,14 @@ class EpisodeStream:
         metrics, step)``) once ``prompts_per_step`` groups within the bound have finished (no reward-failure
         stats: environments give the rewards; no dead engines to replace: ``replace_dead`` is not called)."""
         start = time.perf_counter()
-        with self._changed:
+        with self._loop.changed:
             while True:
-                if self._error is not None:
-                    raise RuntimeError(f"the episode stream failed: {self._error}") from self._error
+                self._loop.raise_if_failed()
                 with self._lock:
                     batch = self.bound.form_batch()
                 if batch is not None:
                     break
-                self._changed.wait(timeout=0.5)
+                self._loop.changed.wait(timeout=0.5)
         waited = time.perf_counter() - start
         groups = [group for group, _ in batch]
         with self._lock:  # still running with weights older than the next batch may take: never trained
@@ -117,19 +115,12 @@ class EpisodeStream:
             return {"episode_groups": self.next_group}, len(self.running) + len(self.bound.finished)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+        self._loop.close()
 
     # -- the rollout thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._start_calls()
-                self._collect(timeout=0.05)
-        except BaseException as error:  # noqa: BLE001 (handed to the flow's thread, which raises it)
-            self._error = error
-            with self._changed:
-                self._changed.notify_all()
+    def _round(self) -> None:
+        self._start_calls()
+        self._collect(timeout=0.05)
 
     def _start_calls(self) -> None:
         workers, size = self.engines.env_workers, self.cfg.rollout.group_size
@@ -172,5 +163,4 @@ class EpisodeStream:
                     started = [s["weights_version"] for s in group.summaries if s["weights_version"] is not None]
                     self.bound.finish(group, min(started, default=group.version))
         if ready:
-            with self._changed:
-                self._changed.notify_all()
+            self._loop.notify()

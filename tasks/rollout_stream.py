@@ -17,6 +17,7 @@ from engines.data.domains import draw
 from engines.scoring import summarize
 from engines.staleness import StalenessBound
 from tasks.score import ScoredBatch
+from tasks.stream_loop import StreamLoop
 
 
 @dataclass
@@ -88,11 +89,9 @@ class RolloutStream:
         self.dead: set[int] = set()  # replicas whose actor died
         self.restarts = 0
         self._units = 0
-        self._lock, self._changed = threading.Lock(), threading.Condition()
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._loop = StreamLoop("rollout stream", self._round)
+        self._loop.start()
 
     # -- the flow's side ---------------------------------------------------------------------------------
     def next_batch(self, step: int, trainer_version: int,
@@ -102,13 +101,13 @@ class RolloutStream:
         are its version)."""
         start = time.perf_counter()
         while True:
-            with self._changed:
-                self._raise_if_failed()
+            with self._loop.changed:
+                self._loop.raise_if_failed()
                 with self._lock:
                     batch = self.bound.form_batch()
                     dead = set(self.dead)
                 if batch is None and not dead:
-                    self._changed.wait(timeout=0.5)
+                    self._loop.changed.wait(timeout=0.5)
                     continue
             if dead:
                 self.replace(dead, replace_dead)
@@ -151,8 +150,7 @@ class RolloutStream:
             with self._lock:
                 self.dead.discard(replica)
                 self.restarts += 1
-        with self._changed:
-            self._changed.notify_all()
+        self._loop.notify()
 
     def dead_replicas(self) -> set[int]:
         with self._lock:
@@ -165,23 +163,12 @@ class RolloutStream:
             return dict(self.positions), len(self.queue) + len(self.running) + len(self.bound.finished)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+        self._loop.close()
 
     # -- the rollout thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._start_groups()
-                self._collect(timeout=0.05)
-        except BaseException as error:  # noqa: BLE001 (handed to the flow's thread, which raises it)
-            self._error = error
-            with self._changed:
-                self._changed.notify_all()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"the rollout stream failed: {self._error}") from self._error
+    def _round(self) -> None:
+        self._start_groups()
+        self._collect(timeout=0.05)
 
     def _start_groups(self) -> None:
         replicas, group = len(self.engines.rollouts), self.cfg.rollout.group_size
@@ -250,8 +237,7 @@ class RolloutStream:
                     unit.scored = stats
                     self.bound.finish(unit, stats["weights_version"])
         if ready:
-            with self._changed:
-                self._changed.notify_all()
+            self._loop.notify()
 
     def _engine_died(self, unit: Unit) -> bool:
         """Whether the failure of ``unit``'s scoring is the death of its rollout engine; if so its groups go
@@ -278,8 +264,7 @@ class RolloutStream:
                 self.running.remove(u)
                 self.bound.abort()
             self.queue[:0] = [Unit(u.index, u.domain, u.row) for u in lost]
-        with self._changed:
-            self._changed.notify_all()
+        self._loop.notify()
 
     def sync(self, sync: Callable[[list, int], None], version: int, replace_dead: Callable[[int], None]) -> None:
         """``sync(engines, version)`` to every rollout engine; an engine that dies before or during it is
