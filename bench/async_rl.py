@@ -12,10 +12,10 @@ the steps after the first (whose batch nobody generated ahead), evaluation and c
     python bench/async_rl.py [steps=20] [prompts=8] [max_new_tokens=64] [size=bench] [engine=hf] [modes=off,...]
                              [ppo_epochs=1]
 
-Overlap can at best turn a step of generating (G) then training (T) into one of max(G, T): a speedup of
-(G + T) / max(G, T), at most 2 when the two are equal. The synchronous run prints both (``generate`` and
-``train`` medians); ``ppo_epochs=2`` trains each batch twice, which at the bench size brings T near G, as a
-disaggregated deployment sizes its rollout and training pools to balance them.
+Overlap can at best turn a step of generating (G) then the rest (R: old log-probs, advantages, the optimizer
+step, the sync) into one of max(G, R): a speedup of (G + R) / max(G, R), at most 2 when the two are equal.
+The synchronous run prints G (``generate``, with scoring) and the optimizer step alone (``train``) as medians;
+``ppo_epochs`` trains each batch that many times, adding training work to R.
 
 Modes: ``off`` (synchronous, always run: the baseline), ``one_step``, ``full`` with η = 1 and 2 (a sync waits
 for the generation call in flight), and with η = 2 and ``partial_rollout: keep`` (a sync lands between

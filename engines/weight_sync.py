@@ -508,10 +508,13 @@ class SharedWeightReader:
         what was computed with them mixed two versions)."""
         if self._held is None:
             return
-        found = int(self._maps[self._held.path][:8].numpy().view(np.int64)[0])
-        if found != self._held.version:
-            raise RuntimeError(f"weights v{self._held.version} in {self._held.path} were overwritten "
-                               f"({'being written' if found < 0 else f'now v{found}'}) while this engine used them")
+        held = self._held  # another thread may load a newer version meanwhile
+        found = int(self._maps[held.path][:8].numpy().view(np.int64)[0])
+        if found != held.version:
+            lease = "no lease" if self._lease is None else f"lease [held, loading] {self._lease.versions.tolist()}"
+            raise RuntimeError(f"weights v{held.version} in {held.path} were overwritten "
+                               f"({'being written' if found < 0 else f'now v{found}'}) while this engine used them "
+                               f"({lease}, holding v{self._held.version if self._held else None} now)")
 
     def close(self) -> None:
         """Release the lease (the parameters must no longer view the slots)."""
