@@ -76,3 +76,11 @@ class StalenessBound:
         batch, self.finished = fresh[: self.batch_size], fresh[self.batch_size:]
         self.trained_batches += 1
         return batch
+
+
+def version_lag_metrics(lags: list[int], max_staleness: int) -> dict[str, float]:
+    """A batch's version lags (trainer version minus each unit's start version) as metrics: their mean and
+    maximum, and how many units lag by each of ``0..max_staleness`` versions."""
+    metrics = {"async/version_lag_mean": sum(lags) / len(lags), "async/version_lag_max": float(max(lags))}
+    metrics.update({f"async/version_lag_{lag}": float(lags.count(lag)) for lag in range(max_staleness + 1)})
+    return metrics

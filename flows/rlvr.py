@@ -489,13 +489,14 @@ def rlvr_flow(config: Config, model_path: str, tracking_uri: str, mlflow_run_id:
         tracker.log_samples("eval_step_000000", samples[: cfg.tracking.num_samples])
 
     stream = None
-    if cfg.async_.mode == "full" and state.step < cfg.train.steps and engines.env_workers:
-        stream = EpisodeStream(cfg, engines, state.domain_positions.get("episode_groups", 0), state.weights_version,
-                               partial(group_specs, cfg), partial(episode_batch, cfg))
-    elif cfg.async_.mode == "full" and state.step < cfg.train.steps:  # after the evaluation: its weights are v0's alone
-        stream = RolloutStream(cfg, engines, domains, state.domain_positions, state.weights_version,
-                               lambda call: call_sampling(cfg, engines, call),
-                               lambda domain: score_spec(cfg, domain, engines))
+    if cfg.async_.mode == "full" and state.step < cfg.train.steps:  # after the evaluation: its weights are v0's alone
+        if engines.env_workers:
+            stream = EpisodeStream(cfg, engines, state.domain_positions.get("episode_groups", 0), state.weights_version,
+                                   partial(group_specs, cfg), partial(episode_batch, cfg))
+        else:
+            stream = RolloutStream(cfg, engines, domains, state.domain_positions, state.weights_version,
+                                   lambda call: call_sampling(cfg, engines, call),
+                                   lambda domain: score_spec(cfg, domain, engines))
 
     progress = StageProgress("rl", cfg.train.steps, start=state.step,
                              keys=("reward/mean", "eval/heldout_accuracy", "time/step"))

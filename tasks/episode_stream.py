@@ -12,7 +12,7 @@ from typing import Callable
 
 import ray
 
-from engines.staleness import StalenessBound
+from engines.staleness import StalenessBound, version_lag_metrics
 from tasks.stream_loop import StreamLoop
 
 
@@ -91,11 +91,9 @@ class EpisodeStream:
             [list(group.rows) for group in groups], *parts)
         positions, untrained = self.snapshot()
         lags = [trainer_version - version for _, version in batch]
-        metrics = {"async/wait_s": waited, "async/version_lag_mean": sum(lags) / len(lags),
-                   "async/version_lag_max": float(max(lags)), "async/untrained_groups": float(untrained),
-                   "async/dropped_groups": float(self.bound.dropped), "async/aborted_groups": float(self.bound.aborted)}
-        for lag in range(self.cfg.async_.max_staleness + 1):
-            metrics[f"async/version_lag_{lag}"] = float(lags.count(lag))
+        metrics = version_lag_metrics(lags, self.cfg.async_.max_staleness)
+        metrics.update({"async/wait_s": waited, "async/untrained_groups": float(untrained),
+                        "async/dropped_groups": float(self.bound.dropped), "async/aborted_groups": float(self.bound.aborted)})
         return self.to_batch(rollouts_ref, returns_ref, summaries, positions, metrics, step), []
 
     def sync(self, sync: Callable[[list, int], None], version: int, replace_dead: Callable | None = None) -> None:

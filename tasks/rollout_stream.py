@@ -15,7 +15,7 @@ import ray
 
 from engines.data.domains import draw
 from engines.scoring import summarize
-from engines.staleness import StalenessBound
+from engines.staleness import StalenessBound, version_lag_metrics
 from tasks.score import ScoredBatch
 from tasks.stream_loop import StreamLoop
 
@@ -124,12 +124,11 @@ class RolloutStream:
             [None] * len(units), *[ref for unit in units for ref in (unit.generated, unit.rewards)])
         metrics = summarize(stats)
         lags = [trainer_version - s["weights_version"] for s in stats]
-        metrics.update({"async/wait_s": waited, "async/version_lag_mean": sum(lags) / len(lags),
-                        "async/version_lag_max": float(max(lags)), "async/untrained_groups": float(queued),
+        metrics.update(version_lag_metrics(lags, self.cfg.async_.max_staleness))
+        metrics.update({"async/wait_s": waited, "async/untrained_groups": float(queued),
                         "async/dropped_groups": float(self.bound.dropped), "async/engine_restarts": float(self.restarts),
                         "async/aborted_groups": float(self.aborted),
                         "async/partial_groups": float(sum(s["partial"] for s in stats))})
-        metrics.update({f"async/version_lag_{lag}": float(lags.count(lag)) for lag in range(self.cfg.async_.max_staleness + 1)})
         prompts = [unit.row["prompt"] for unit in units for _ in range(group)]
         keys = sorted({k for unit in units for k in unit.row} - {"prompt"})
         columns = {k: [unit.row.get(k) for unit in units for _ in range(group)] for k in keys}

@@ -118,3 +118,12 @@ def test_admission_hand_worked():
     bound.finish(5, 1)
     assert bound.form_batch() is None and bound.dropped == 1 and bound.finished == [(5, 1)]
     assert bound.started == 5  # six started, one dropped
+
+
+def test_version_lag_metrics_count_each_lag_up_to_the_bound():
+    from engines.staleness import version_lag_metrics
+
+    # lags 0, 2, 1, 2 with η = 2: mean 5/4, max 2, one group at lag 0, one at 1, two at 2
+    assert version_lag_metrics([0, 2, 1, 2], max_staleness=2) == {
+        "async/version_lag_mean": 1.25, "async/version_lag_max": 2.0,
+        "async/version_lag_0": 1.0, "async/version_lag_1": 1.0, "async/version_lag_2": 2.0}
