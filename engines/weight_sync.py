@@ -506,15 +506,21 @@ class SharedWeightReader:
     def check(self) -> None:
         """Raise if the slot the parameters view no longer holds their version (the writer overwrote it:
         what was computed with them mixed two versions)."""
-        if self._held is None:
-            return
-        held = self._held  # another thread may load a newer version meanwhile
-        found = int(self._maps[held.path][:8].numpy().view(np.int64)[0])
+        while True:
+            held = self._held
+            if held is None:
+                return
+            found = int(self._maps[held.path][:8].numpy().view(np.int64)[0])
+            # another thread may load a newer version meanwhile: the old one's lease then ends, and its slot
+            # may take a new version before ``found`` was read. What was read counts only while ``held`` is
+            # still held (it is leased until ``_hold`` replaces it, so ``found`` then belongs to it)
+            if self._held is held:
+                break
         if found != held.version:
             lease = "no lease" if self._lease is None else f"lease [held, loading] {self._lease.versions.tolist()}"
             raise RuntimeError(f"weights v{held.version} in {held.path} were overwritten "
                                f"({'being written' if found < 0 else f'now v{found}'}) while this engine used them "
-                               f"({lease}, holding v{self._held.version if self._held else None} now)")
+                               f"({lease})")
 
     def close(self) -> None:
         """Release the lease (the parameters must no longer view the slots)."""

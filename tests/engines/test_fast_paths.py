@@ -392,6 +392,35 @@ def test_weights_overwritten_under_a_receiver_fail_its_check_and_its_next_load()
         reader.close()
 
 
+def test_a_check_that_races_a_load_judges_the_version_held_after_it_not_a_released_one():
+    """A generate thread's ``check`` reads the held version, then the slot's header. A load on another thread
+    between the two releases the old version, and the writer may then reuse its slot: the header read
+    belongs to no version held, and the check looks again instead of failing."""
+    writer, reader, receiver = SharedWeightWriter("test-race"), SharedWeightReader(), _receiver()
+    try:
+        reader.load(receiver, writer.write(1, _weights(1).items(), "local"))  # slot 0
+
+        class LoadsBetweenTheTwoReads(dict):
+            raced = False
+
+            def __getitem__(self, path):
+                if not self.raced:  # after check() read the held version (v1), before it reads v1's slot
+                    self.raced = True
+                    reader.load(receiver, writer.write(2, _weights(2).items(), "local"))  # slot 1; v1 released
+                    assert _slot_of(writer.write(3, _weights(3).items(), "local")) == 0  # v1's slot reused
+                return super().__getitem__(path)
+
+        reader._maps = LoadsBetweenTheTwoReads(reader._maps)
+        reader.check()
+        assert reader._maps.raced and reader._held.version == 2
+        writer.write(4, _weights(4).items(), "local")  # into v2's slot, which its receiver still leases: not
+        reader.check()                                  # allowed, so the writer took v3's slot instead
+        assert receiver["weight"].detach()[0, 0].item() == 2.0
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_slots_run_out_only_when_receivers_hold_every_one_and_dead_leases_do_not_count():
     writer, readers = SharedWeightWriter("test-full"), []
     try:
