@@ -142,7 +142,8 @@ class DomainConfig(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     """Domain name: labels its metrics (domain/<name>/…) and its sampler position."""
     reward: str
-    """Registered reward function scoring this domain (engines.rewards)."""
+    """Reward function scoring this domain: a registered name (engines.rewards) or your own by import path,
+    package.module:function."""
     reward_options: dict[str, float | int | bool | str] = {}
     """Keyword options of the reward, e.g. {mode: all_pass} for code; see the reward's docstring."""
     share: float = Field(gt=0)
@@ -161,15 +162,19 @@ class DomainConfig(Section):
 
     @model_validator(mode="after")
     def _valid(self):
-        from engines.rewards import get_reward, reward_names
+        from engines.rewards import get_reward, is_reward, reward_names
 
-        if self.reward not in reward_names():
+        if not is_reward(self.reward):
             close = difflib.get_close_matches(self.reward, reward_names(), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(f"domain {self.name!r}: unknown reward {self.reward!r}; {hint}registered: "
-                             f"{', '.join(reward_names())}")
-        check_options(keyword_options(get_reward(self.reward), set()), self.reward, self.reward_options, "reward")
-        check_option_values(get_reward(self.reward), self.reward, self.reward_options, "reward", "reward_options")
+                             f"{', '.join(reward_names())}, or a function by path 'package.module:function'")
+        try:
+            fn = get_reward(self.reward)
+        except ValueError as error:
+            raise ValueError(f"domain {self.name!r}: {error}") from None
+        check_options(keyword_options(fn, set()), self.reward, self.reward_options, "reward")
+        check_option_values(fn, self.reward, self.reward_options, "reward", "reward_options")
         if self.source == "files" and not (self.train_path and self.heldout_path):
             raise ValueError(f"domain {self.name!r} needs train_path and heldout_path (or source: arithmetic)")
         check_data_files(self, f"domain {self.name!r}: ")
@@ -209,7 +214,8 @@ class DataConfig(Section):
 
 class RewardConfig(Section):
     name: str = "math"
-    """Registered reward function (engines.rewards) of a single-domain run (each domain names its own)."""
+    """Reward function of a single-domain run (each domain names its own): a registered name (engines.rewards)
+    or your own by import path, package.module:function."""
     workers: int = Field(1, gt=0)
     """Reward worker actors; scoring calls are spread over them."""
     concurrency: int = Field(4, gt=0)
@@ -237,10 +243,12 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _known(self):
-        from engines.rewards import reward_names
+        from engines.rewards import get_reward, is_reward, reward_names
 
-        if self.name not in reward_names():
-            raise ValueError(f"unknown reward {self.name!r}; registered: {', '.join(reward_names())}")
+        if not is_reward(self.name):
+            raise ValueError(f"unknown reward {self.name!r}; registered: {', '.join(reward_names())}, or a function "
+                             "by path 'package.module:function'")
+        get_reward(self.name)  # a path that does not import fails here, at load
         return self
 
 

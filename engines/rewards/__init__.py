@@ -8,7 +8,10 @@ gives it (``reward_options``; each must have a default). It returns one float pe
 ``Scored`` that also counts events (``timeout``, ``sandbox_violation``, …) for the metrics.
 
 Register one with ``@REWARDS.register("name")``; a duplicate name is an error and ``get_reward`` of an
-unknown name lists the registered ones. A reward whose first calls in a process are slow (parsers built
+unknown name lists the registered ones. A function of your own needs no registration: name it by import
+path, ``"package.module:function"``. It is imported where rewards run (the reward workers), so the module
+must be importable there: on a local Ray cluster the driver's working directory is on the workers' path; on
+a cluster you join, install it or ship it with the job's ``runtime_env``. A reward whose first calls in a process are slow (parsers built
 on first use) may also register a warm-up, ``WARM_UPS["name"] = fn``, which reward workers run when
 they start, so a run's first steps do not pay it. The scoring runner (``engines.rewards.runner``) calls a reward
 on small chunks of samples with a timeout: an exception or a timeout scores the chunk 0.0 and is counted,
@@ -17,6 +20,7 @@ so one bad completion or a buggy reward never stops a run.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -36,8 +40,28 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward function registered as ``name``; ``KeyError`` listing the names otherwise."""
-    return REWARDS.get(name)
+    """The reward function registered as ``name``, or the one at import path ``name``
+    (``"package.module:function"``, imported now); ``KeyError`` listing the registered names for an
+    unknown name, ``ValueError`` naming the path for one that does not import or is not callable."""
+    if ":" not in name:
+        return REWARDS.get(name)
+    module_name, _, attribute = name.partition(":")
+    try:
+        fn = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            fn = getattr(fn, part)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"reward {name!r} does not import ({type(error).__name__}: {error}); a reward by path is "
+                         "'package.module:function', importable from the working directory or an installed package") from None
+    if not callable(fn) or not module_name or not attribute:
+        raise ValueError(f"reward {name!r} is not a function: a reward by path is 'package.module:function'")
+    return fn
+
+
+def is_reward(name: str) -> bool:
+    """Whether ``name`` is a registered reward or an import path (``"package.module:function"``), which
+    ``get_reward`` checks when it imports it."""
+    return name in REWARDS or ":" in name
 
 
 def reward_names() -> list[str]:

@@ -64,6 +64,18 @@ def test_unknown_registry_names_and_options_are_rejected():
         None, ["algorithm.advantage=gea"])
     assert "no option 'clip_hgh'; did you mean 'clip_high'?" in _error(None, ["algorithm.loss_options.clip_hgh=0.3"])
     assert "unknown reward 'maths'" in _error(None, ["reward.name=maths"])
+    assert "reward 'no_such_module:fn' does not import (ModuleNotFoundError" in _error(None, ["reward.name=no_such_module:fn"])
+    assert "reward 'engines.rewards:no_such_fn' does not import (AttributeError" in _error(
+        None, ["reward.name=engines.rewards:no_such_fn"])
+    assert "reward 'engines.rewards:REWARDS' is not a function" in _error(None, ["reward.name=engines.rewards:REWARDS"])
+
+
+def test_a_reward_by_import_path_loads_and_its_options_are_checked():
+    from engines.rewards import get_reward
+
+    path = "tests.flows.prompt_rewards:prompt_holds_its_answer"
+    assert load_config(None, [f"reward.name={path}"]).reward.name == path
+    assert get_reward(path)(["12+7=", "3+4="], ["x", "y"], answer=["19", "8"]) == [1.0, 0.0]
 
 
 def test_cross_field_checks_say_what_to_change():

@@ -1,7 +1,7 @@
 """Asynchronous RL end to end (real Ray, Prefect, MLflow). ``one_step``: every batch after the first is one
 weight version behind, the correction and mismatch metrics are logged, and each checkpoint holds the batch
-generated ahead of it. ``full``: no trained group is more than ``async.max_staleness`` versions behind, the
-data drawn is accounted for, and a rollout engine killed mid-generation is replaced while the run goes on."""
+generated ahead of it. ``full``: no trained group is more than ``async.max_staleness`` versions behind, each
+group is scored with its own prompt, the data drawn is accounted for, and a rollout engine killed mid-generation is replaced while the run goes on."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import pytest
 from configs.loader import load_config
 
 pytestmark = pytest.mark.ray
+
+# 1.0 for a sample scored with its own prompt, whatever it says; a reward by path, as a user's own reward is
+PROMPT_REWARD = "tests.flows.prompt_rewards:prompt_holds_its_answer"
 
 
 def test_one_step_flow_trains_one_version_behind(tmp_path, ray_cluster, prefect_server):
@@ -66,9 +69,11 @@ def test_full_flow_keeps_every_batch_within_the_staleness_bound(eta, tmp_path, r
     config = load_config("configs/tiny.yaml", [
         f"run.dir={run_dir}", f"run.name=full-{eta}", f"train.steps={steps}", "checkpoint.every=3", "eval.every=3",
         "async.mode=full", f"async.max_staleness={eta}", "algorithm.old_logprobs=trainer",
-        "algorithm.entropy_coef=0.01", "run.torch_threads=1"])
+        "algorithm.entropy_coef=0.01", "run.torch_threads=1", f"reward.name={PROMPT_REWARD}"])
     result = run_flow(config)
     run_id = result["mlflow_run_id"]
+    # a call generates several groups (the HF engine's default): each is scored with its own prompt
+    assert _history(run_dir, run_id, "reward/mean") == {step: 1.0 for step in range(1, steps + 1)}
     lag_max, lag_mean = _history(run_dir, run_id, "async/version_lag_max"), _history(run_dir, run_id, "async/version_lag_mean")
     assert sorted(lag_max) == list(range(1, steps + 1))
     assert lag_max[1] == 0 and max(lag_max.values()) <= eta  # the first batch: nothing trained before it
