@@ -300,6 +300,7 @@ class Runner:
                 inbox.put((request, future))
                 request = run.advance(future.result(), self._stop_text)
 
+        failure: BaseException | None = None  # the policy's: every request from then on gets it
         with ThreadPoolExecutor(max_workers=max(len(runs), 1)) as pool:
             episodes = [pool.submit(loop, run) for run in runs]
             live = len(runs)
@@ -319,15 +320,19 @@ class Runner:
                         item = inbox.get(timeout=max(deadline - time.monotonic(), 0))
                     except queue.Empty:
                         break
-                if batch:
+                if batch and failure is None:
                     try:
                         generations = self.policy.generate([request for request, _ in batch])
-                    except BaseException as exc:
-                        for _, future in batch:
-                            future.set_exception(exc)
-                        raise
-                    for (_, future), generation in zip(batch, generations):
-                        future.set_result(generation)
+                    except BaseException as exc:  # noqa: BLE001 - raised below, once every episode has ended
+                        failure = exc
+                    else:
+                        for (_, future), generation in zip(batch, generations):
+                            future.set_result(generation)
+                if failure is not None:  # this batch, and the episodes still running: they end on it
+                    for _, future in batch:
+                        future.set_exception(failure)
+            if failure is not None:
+                raise failure
             for done in episodes:
                 done.result()  # an error outside the environment (the policy's) is the caller's
         return [run.episode for run in runs]

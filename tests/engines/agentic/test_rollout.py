@@ -180,6 +180,43 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_as_error(engine, t
     assert all(e.ending != "error" for i, e in enumerate(episodes) if i != 1)
 
 
+class DiesOnCall:
+    """A policy whose ``call``-th generate raises, as a rollout engine that died does."""
+
+    def __init__(self, inner, call):
+        self.inner, self.call, self.calls = inner, call, 0
+
+    def generate(self, requests):
+        self.calls += 1
+        if self.calls >= self.call:
+            raise RuntimeError("rollout engine died")
+        return self.inner.generate(requests)
+
+
+def test_a_policy_failure_ends_every_async_episode_and_is_raised_not_hung(engine, tokenizer):
+    """Episodes whose next turn was not in the failed call wait on later calls: they get the failure too,
+    so ``run`` raises it instead of waiting for them forever."""
+    import threading
+
+    settings = RolloutSettings(max_turns=6, max_tokens_per_turn=3, max_context=256, batch_wait_s=0.0)
+    policy = DiesOnCall(EnginePolicy(engine, settings), call=3)
+    runner = _runner(policy, tokenizer, settings)
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(_raised(runner.run, _specs(8), "async")), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "run() hung after the policy failed"
+    assert outcome == ["RuntimeError: rollout engine died"] and policy.calls == 3  # no call after the failure
+
+
+def _raised(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def test_the_plain_format_and_an_append_only_template_pass_the_startup_check(tokenizer):
     check_append_only(TurnRenderer(tokenizer))
     chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
