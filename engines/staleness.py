@@ -53,9 +53,15 @@ class StalenessBound:
         self.finished.append((unit, version))
 
     def abort(self) -> None:
-        """A running unit was stopped (its prompt goes back to the queue): it no longer counts as started."""
-        self.started -= 1
+        """A running unit was stopped because no batch within the bound could take it: it no longer counts as
+        started, and counts as aborted."""
+        self.release()
         self.aborted += 1
+
+    def release(self) -> None:
+        """A running unit stopped for another reason (its engine died, a weight update aborted it) and will
+        run again: it no longer counts as started."""
+        self.started -= 1
 
     def oldest_trainable(self) -> int:
         """The oldest start version the next batch may take: ``j - η`` for batch ``j``."""

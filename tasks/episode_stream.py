@@ -13,7 +13,7 @@ from typing import Callable
 import ray
 
 from engines.staleness import StalenessBound, version_lag_metrics
-from tasks.stream_loop import StreamLoop
+from tasks.stream_loop import ReplacesDeadEngines, StreamLoop
 
 
 @dataclass
@@ -26,6 +26,7 @@ class EpisodeGroup:
     worker: int = 0
     version: int = 0  # the rollout engines' weights when its call was sent; its actions' are this or newer
     call: tuple = ()  # Ray refs of the call: (rollouts, returns, summaries)
+    engine: object = None  # the rollout engine the call generates with
     rows: tuple[int, ...] = ()
     summaries: list | None = None  # its episodes', once the call finished
 
@@ -36,7 +37,7 @@ def groups_per_call(cfg, workers: int) -> int:
     return cfg.async_.groups_per_call or -(-cfg.rollout.prompts_per_step // workers)
 
 
-class EpisodeStream:
+class EpisodeStream(ReplacesDeadEngines):
     """``async.mode: full`` with environments: a thread of the flow's process keeps two ``collect`` calls
     queued on each environment worker (one running, the next waiting), each of ``groups_per_call`` groups,
     admitted by ``StalenessBound`` with the rollout engines' version when the call is sent. Weight syncs land
@@ -44,10 +45,13 @@ class EpisodeStream:
     versions: a group counts from its oldest action's, and groups too old to train are dropped (their
     group numbers are not run again: the next groups have new seeds).
 
+    A rollout engine that dies is replaced (``ReplacesDeadEngines``): the groups of the calls that used it
+    run again, under the same group numbers; calls meanwhile go to the other replicas. An environment
+    worker that dies fails the run.
+
     Not deterministic: which groups form a batch depends on timing. A checkpoint saves the next group
     number; the groups admitted and not trained then are lost on a resume, and counted
-    (``untrained_groups``). A rollout engine or environment worker that dies fails the run (RLVR's stream
-    replaces rollout engines; this one does not)."""
+    (``untrained_groups``)."""
 
     def __init__(self, cfg, engines, next_group: int, engine_version: int, specs_for: Callable[[int], list],
                  to_batch: Callable) -> None:
@@ -57,24 +61,20 @@ class EpisodeStream:
         self.in_flight = 2
         self.bound = StalenessBound(cfg.rollout.prompts_per_step, cfg.async_.max_staleness)
         self.running: list[EpisodeGroup] = []
+        self.rerun: list[int] = []  # group numbers whose engine died before they finished: run again first
+        self._init_replacement()
         self._lock = threading.Lock()
         self._loop = StreamLoop("episode stream", self._round)
         self._loop.start()
 
     # -- the flow's side ---------------------------------------------------------------------------------
-    def next_batch(self, step: int, trainer_version: int, replace_dead: Callable | None = None) -> tuple[object, list]:
+    def next_batch(self, step: int, trainer_version: int, replace_dead: Callable[[int], None] | None = None
+                   ) -> tuple[object, list]:
         """``(batch, [])``: step ``step``'s batch (``to_batch(rollouts_ref, returns_ref, summaries, positions,
         metrics, step)``) once ``prompts_per_step`` groups within the bound have finished (no reward-failure
-        stats: environments give the rewards; no dead engines to replace: ``replace_dead`` is not called)."""
+        stats: environments give the rewards); replaces dead rollout replicas while waiting."""
         start = time.perf_counter()
-        with self._loop.changed:
-            while True:
-                self._loop.raise_if_failed()
-                with self._lock:
-                    batch = self.bound.form_batch()
-                if batch is not None:
-                    break
-                self._loop.changed.wait(timeout=0.5)
+        batch = self._form_batch(replace_dead)
         waited = time.perf_counter() - start
         groups = [group for group, _ in batch]
         with self._lock:  # still running with weights older than the next batch may take: never trained
@@ -93,24 +93,15 @@ class EpisodeStream:
         lags = [trainer_version - version for _, version in batch]
         metrics = version_lag_metrics(lags, self.cfg.async_.max_staleness)
         metrics.update({"async/wait_s": waited, "async/untrained_groups": float(untrained),
-                        "async/dropped_groups": float(self.bound.dropped), "async/aborted_groups": float(self.bound.aborted)})
+                        "async/dropped_groups": float(self.bound.dropped), "async/aborted_groups": float(self.bound.aborted),
+                        "async/engine_restarts": float(self.restarts)})
         return self.to_batch(rollouts_ref, returns_ref, summaries, positions, metrics, step), []
-
-    def sync(self, sync: Callable[[list, int], None], version: int, replace_dead: Callable | None = None) -> None:
-        """``sync(engines, version)`` to every rollout engine; calls sent from then on start with ``version``."""
-        sync(self.engines.rollouts, version)
-        self.weights_synced(version)
-
-    def weights_synced(self, version: int) -> None:
-        """The rollout engines hold ``version`` from now on: later calls start with it."""
-        with self._lock:
-            self.engine_version = version
 
     def snapshot(self) -> tuple[dict[str, int], int]:
         """``{"episode_groups": next group number}`` (a resume starts there) and how many groups admitted
         before it are not trained yet (a resume from a checkpoint taken now loses them)."""
         with self._lock:
-            return {"episode_groups": self.next_group}, len(self.running) + len(self.bound.finished)
+            return {"episode_groups": self.next_group}, len(self.rerun) + len(self.running) + len(self.bound.finished)
 
     def close(self) -> None:
         self._loop.close()
@@ -126,22 +117,28 @@ class EpisodeStream:
             while True:
                 calls = [{g.call for g in self.running if g.worker == i} for i in range(len(workers))]
                 free = [i for i in range(len(workers)) if len(calls[i]) < self.in_flight]
+                replicas = [r for r in range(len(self.engines.rollouts)) if r not in self.dead]
                 groups = []
-                while free and len(groups) < self.per_call and self.bound.can_start(self.engine_version):
+                while free and replicas and len(groups) < self.per_call and self.bound.can_start(self.engine_version):
                     self.bound.start(self.engine_version)
-                    groups.append(EpisodeGroup(self.next_group, version=self.engine_version))
-                    self.next_group += 1
+                    index = self.rerun.pop(0) if self.rerun else self._new_group()
+                    groups.append(EpisodeGroup(index, version=self.engine_version))
                 if not groups:
                     return
                 worker = min(free, key=lambda i: len(calls[i]))
                 specs = [spec for group in groups for spec in self.specs_for(group.index)]
-                engine = self.engines.rollouts[worker % len(self.engines.rollouts)]
+                # the worker's own replica, or another while its own waits for a new engine
+                engine = self.engines.rollouts[min(replicas, key=lambda r: (r != worker % len(self.engines.rollouts), r))]
                 collect = workers[worker].collect.options(num_returns=3)
                 call = tuple(collect.remote(specs, engine, self.cfg.agentic.runner))
                 for offset, group in enumerate(groups):
-                    group.worker, group.call = worker, call
+                    group.worker, group.call, group.engine = worker, call, engine
                     group.rows = tuple(range(offset * size, (offset + 1) * size))
                 self.running += groups
+
+    def _new_group(self) -> int:
+        self.next_group += 1
+        return self.next_group - 1
 
     def _collect(self, timeout: float) -> None:
         with self._lock:
@@ -151,7 +148,14 @@ class EpisodeStream:
             return
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout, fetch_local=True)
         for ref in ready:
-            summaries = ray.get(ref)
+            try:
+                summaries = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+                engine = self._dead_engine(error, pending[ref][0].engine)
+                if engine is None:
+                    raise
+                self._lost(engine)
+                continue
             with self._lock:
                 for group in pending[ref]:
                     if group not in self.running:
@@ -162,3 +166,25 @@ class EpisodeStream:
                     self.bound.finish(group, min(started, default=group.version))
         if ready:
             self._loop.notify()
+
+    def _dead_engine(self, error: Exception, engine):
+        """``engine`` when the failure of a call that used it is its actor's death (reported by the
+        environment worker's call to it), else None: the failure is the run's."""
+        cause = error
+        while cause is not None and not isinstance(cause, ray.exceptions.RayActorError):
+            cause = getattr(cause, "cause", None) or cause.__cause__
+        if cause is None or getattr(cause, "actor_id", None) != engine._actor_id.hex():
+            return None
+        return engine
+
+    def _lost(self, engine) -> None:
+        """``engine`` died: the groups it ran are run again (the same group numbers, so the same seeds), and
+        its replica waits for a new engine."""
+        with self._lock:
+            self._mark_dead(engine)
+            lost = [g for g in self.running if g.engine is engine]
+            for group in lost:
+                self.running.remove(group)
+                self.bound.release()
+            self.rerun = sorted(self.rerun + [g.index for g in lost])
+        self._loop.notify()

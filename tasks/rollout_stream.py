@@ -17,7 +17,7 @@ from engines.data.domains import draw
 from engines.scoring import summarize
 from engines.staleness import StalenessBound, version_lag_metrics
 from tasks.score import ScoredBatch
-from tasks.stream_loop import StreamLoop
+from tasks.stream_loop import ReplacesDeadEngines, StreamLoop
 
 
 @dataclass
@@ -55,7 +55,7 @@ def stream_calls(cfg) -> tuple[int, int]:
     return in_flight, per_call
 
 
-class RolloutStream:
+class RolloutStream(ReplacesDeadEngines):
     """``async.mode: full``: rollout runs continuously and the trainer takes a batch of
     ``rollout.prompts_per_step`` prompt groups as soon as that many have finished.
 
@@ -86,8 +86,7 @@ class RolloutStream:
         self.bound = StalenessBound(cfg.rollout.prompts_per_step, cfg.async_.max_staleness)
         self.queue: list[Unit] = []  # drawn, not started (requeued ones first)
         self.running: list[Unit] = []
-        self.dead: set[int] = set()  # replicas whose actor died
-        self.restarts = 0
+        self._init_replacement()
         self._units = 0
         self._lock = threading.Lock()
         self._loop = StreamLoop("rollout stream", self._round)
@@ -100,19 +99,7 @@ class RolloutStream:
         bound have finished; replaces dead replicas while waiting (the trainer is idle: the weights it syncs
         are its version)."""
         start = time.perf_counter()
-        while True:
-            with self._loop.changed:
-                self._loop.raise_if_failed()
-                with self._lock:
-                    batch = self.bound.form_batch()
-                    dead = set(self.dead)
-                if batch is None and not dead:
-                    self._loop.changed.wait(timeout=0.5)
-                    continue
-            if dead:
-                self.replace(dead, replace_dead)
-            if batch is not None:
-                break
+        batch = self._form_batch(replace_dead)
         waited = time.perf_counter() - start
         units = [unit for unit, _ in batch]
         with self._lock:
@@ -135,25 +122,6 @@ class RolloutStream:
         columns["domain"] = [unit.domain.name for unit in units for _ in range(group)]
         return ScoredBatch(rollouts_ref, rewards_ref, [j for j in range(len(units)) for _ in range(group)], prompts,
                            columns, positions, metrics), stats
-
-    def weights_synced(self, version: int) -> None:
-        """The rollout engines hold ``version`` from now on: later groups start with it."""
-        with self._lock:
-            self.engine_version = version
-
-    def replace(self, replicas: set[int], replace_dead: Callable[[int], None]) -> None:
-        """Start a new engine for each dead replica (``replace_dead(i)``: start it and give it the trainer's
-        weights)."""
-        for replica in sorted(replicas):
-            replace_dead(replica)
-            with self._lock:
-                self.dead.discard(replica)
-                self.restarts += 1
-        self._loop.notify()
-
-    def dead_replicas(self) -> set[int]:
-        with self._lock:
-            return set(self.dead)
 
     def snapshot(self) -> tuple[dict[str, int], int]:
         """The data position after every group drawn, and how many of those groups are not trained yet (a
@@ -229,7 +197,7 @@ class RolloutStream:
             with self._lock:
                 self.running.remove(unit)
                 if stats["aborted"]:  # a weight update stopped its rows: the group is drawn again
-                    self.bound.abort()
+                    self.bound.release()
                     self.aborted += 1
                     self.queue.insert(0, Unit(unit.index, unit.domain, unit.row))
                 else:
@@ -255,32 +223,13 @@ class RolloutStream:
         """``engine`` died: its groups go back to the queue, and its replica waits for a new engine (unless
         it has one already: a late report of an engine replaced before)."""
         with self._lock:
-            for replica, current in enumerate(self.engines.rollouts):
-                if current is engine:
-                    self.dead.add(replica)
+            self._mark_dead(engine)
             lost = [u for u in self.running if u.engine is engine]
             for u in lost:
                 self.running.remove(u)
-                self.bound.abort()
+                self.bound.release()
             self.queue[:0] = [Unit(u.index, u.domain, u.row) for u in lost]
         self._loop.notify()
-
-    def sync(self, sync: Callable[[list, int], None], version: int, replace_dead: Callable[[int], None]) -> None:
-        """``sync(engines, version)`` to every rollout engine; an engine that dies before or during it is
-        replaced (``replace_dead``) and the sync done again, so the run goes on with a new engine."""
-        for _ in range(2 * len(self.engines.rollouts) + 1):
-            self.replace(self.dead_replicas(), replace_dead)
-            try:
-                sync(self.engines.rollouts, version)
-                break
-            except ray.exceptions.RayActorError as error:
-                died = [e for e in self.engines.rollouts if e._actor_id.hex() == error.actor_id]
-                if not died:
-                    raise
-                self._lost(died[0])
-        else:
-            raise RuntimeError(f"rollout engines kept dying during the weight sync of v{version}")
-        self.weights_synced(version)
 
     def _abort_stale(self) -> None:
         """Groups still generating with weights older than the next batch may take: their prompts are drawn

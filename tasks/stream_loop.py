@@ -1,11 +1,14 @@
-"""The background thread of ``async.mode: full``'s streams (``tasks/rollout_stream.py``,
-``tasks/episode_stream.py``): it repeats one round of their work until closed; an exception stops it and is
-raised on the flow's thread, which waits on ``changed`` for what the rounds finish."""
+"""What ``async.mode: full``'s two streams (``tasks/rollout_stream.py``, ``tasks/episode_stream.py``) share:
+the background thread (``StreamLoop``), which repeats one round of their work until closed (an exception
+stops it and is raised on the flow's thread, which waits on ``changed`` for what the rounds finish), and the
+replacement of rollout engines that die (``ReplacesDeadEngines``)."""
 
 from __future__ import annotations
 
 import threading
 from typing import Callable
+
+import ray
 
 
 class StreamLoop:
@@ -41,3 +44,79 @@ class StreamLoop:
         except BaseException as error:  # noqa: BLE001 (handed to the flow's thread, which raises it)
             self._error = error
             self.notify()
+
+
+class ReplacesDeadEngines:
+    """A stream's handling of rollout engines whose actor dies. The stream's ``_lost(engine)`` takes the
+    groups that engine was running back to be run again and calls ``_mark_dead``; the flow's thread then
+    replaces the dead replicas (``replace_dead(i)``: a new engine, given the trainer's weights) while it
+    waits for a batch or before a sync, when the trainer is idle, so the new engine gets exactly the weights
+    of the version it is labelled with. The stream has ``engines`` (``rollouts``: one handle per replica),
+    ``_lock``, ``_loop`` (a ``StreamLoop``), ``bound`` (``engines.staleness.StalenessBound``) and calls
+    ``_init_replacement()``."""
+
+    def _init_replacement(self) -> None:
+        self.dead: set[int] = set()  # replicas whose actor died, waiting for a new engine
+        self.restarts = 0
+
+    def _lost(self, engine) -> None:
+        raise NotImplementedError
+
+    def _mark_dead(self, engine) -> None:
+        """The replicas ``engine`` serves wait for a new engine (none, if it was replaced already: a late report);
+        called under ``_lock``."""
+        for replica, current in enumerate(self.engines.rollouts):
+            if current is engine:
+                self.dead.add(replica)
+
+    def _form_batch(self, replace_dead: Callable[[int], None] | None) -> list:
+        """The bound's next batch, once one has finished; dead replicas are replaced meanwhile (with
+        ``replace_dead``; without it, a dead engine fails the run)."""
+        while True:
+            with self._loop.changed:
+                self._loop.raise_if_failed()
+                with self._lock:
+                    batch = self.bound.form_batch()
+                    dead = set(self.dead)
+                if batch is None and not dead:
+                    self._loop.changed.wait(timeout=0.5)
+                    continue
+            if dead:
+                if replace_dead is None:
+                    raise RuntimeError(f"rollout replicas {sorted(dead)} died and nothing replaces them")
+                self.replace(dead, replace_dead)
+            if batch is not None:
+                return batch
+
+    def replace(self, replicas: set[int], replace_dead: Callable[[int], None]) -> None:
+        """Start a new engine for each dead replica (``replace_dead(i)``: start it and give it the trainer's
+        weights)."""
+        for replica in sorted(replicas):
+            replace_dead(replica)
+            with self._lock:
+                self.dead.discard(replica)
+                self.restarts += 1
+        self._loop.notify()
+
+    def dead_replicas(self) -> set[int]:
+        with self._lock:
+            return set(self.dead)
+
+    def sync(self, sync: Callable[[list, int], None], version: int, replace_dead: Callable[[int], None]) -> None:
+        """``sync(engines, version)`` to every rollout engine; an engine that dies before or during it is
+        replaced (``replace_dead``) and the sync done again, so the run goes on with a new engine. Calls sent
+        from then on start with ``version``."""
+        for _ in range(2 * len(self.engines.rollouts) + 1):
+            self.replace(self.dead_replicas(), replace_dead)
+            try:
+                sync(self.engines.rollouts, version)
+                break
+            except ray.exceptions.RayActorError as error:
+                died = [e for e in self.engines.rollouts if e._actor_id.hex() == error.actor_id]
+                if not died:
+                    raise
+                self._lost(died[0])
+        else:
+            raise RuntimeError(f"rollout engines kept dying during the weight sync of v{version}")
+        with self._lock:
+            self.engine_version = version

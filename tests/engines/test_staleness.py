@@ -118,6 +118,10 @@ def test_admission_hand_worked():
     bound.finish(5, 1)
     assert bound.form_batch() is None and bound.dropped == 1 and bound.finished == [(5, 1)]
     assert bound.started == 5  # six started, one dropped
+    bound.release()  # a running unit that will run again (its engine died): room for it, not counted as aborted
+    assert bound.started == 4 and bound.aborted == 0 and bound.can_start(1)
+    bound.abort()  # one no batch within the bound can take
+    assert bound.started == 3 and bound.aborted == 1
 
 
 def test_version_lag_metrics_count_each_lag_up_to_the_bound():
