@@ -109,42 +109,21 @@ def test_agentic_full_streams_episode_groups_within_the_staleness_bound(tmp_path
 def test_agentic_full_replaces_a_rollout_engine_killed_mid_run(tmp_path, ray_cluster, prefect_server):
     # The episode stream keeps the engine busy with turns: killed, its groups run again under the same numbers on
     # a new engine, and every group number handed out is still trained, waiting, or counted.
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
     from pathlib import Path
 
     from mlflow.tracking import MlflowClient
 
+    from cli_runs import run_killing_engine
     from engines import checkpoint_store as store
     from flows.setup import checkpoint_root
 
-    root = Path(__file__).resolve().parents[2]
     run_dir, steps = tmp_path / "run", 8
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)
     overrides = [f"run.dir={run_dir}", "run.name=agentic-full-kill", "async.mode=full", "async.max_staleness=1",
                  *SMALL, f"train.steps={steps}", "eval.every=0", "checkpoint.every=2"]
     config = load_config("configs/agentic/corridor.yaml", overrides)
     checkpoints = Path(checkpoint_root(config, "agentic"))
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/agentic/corridor.yaml", *overrides],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (checkpoints / "checkpoints" / "step_000002" / "MANIFEST.json").exists():
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "no step-2 checkpoint in 300 s"
-            time.sleep(0.2)
-        [engines_file] = [p for p in run_dir.rglob("engines.json") if "rollout" in json.loads(p.read_text())]
-        os.kill(json.loads(engines_file.read_text())["rollout"]["pid"], signal.SIGKILL)
-        output = proc.communicate(timeout=600)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
+    run_killing_engine(tmp_path, "configs/agentic/corridor.yaml", overrides,
+                       checkpoints / "checkpoints" / "step_000002" / "MANIFEST.json")
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     [run] = [r for r in client.search_runs(client.get_experiment_by_name("rollflow").experiment_id)
              if client.get_metric_history(r.info.run_id, "async/engine_restarts")]

@@ -93,38 +93,14 @@ def test_full_flow_keeps_every_batch_within_the_staleness_bound(eta, tmp_path, r
 
 @pytest.mark.slow  # kept out of the default suite's ~12 minutes
 def test_full_flow_replaces_a_rollout_engine_killed_mid_generation(tmp_path, ray_cluster, prefect_server):
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     from mlflow.tracking import MlflowClient
 
-    root = Path(__file__).resolve().parents[2]
+    from cli_runs import run_killing_engine
+
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)
     overrides = [f"run.dir={run_dir}", "run.name=full-kill", "train.steps=10", "checkpoint.every=2", "eval.every=0",
                  "async.mode=full", "async.max_staleness=1", "run.torch_threads=1", "rollout.max_new_tokens=32"]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", *overrides], cwd=root,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        manifest = run_dir / "checkpoints" / "step_000002" / "MANIFEST.json"
-        deadline = time.monotonic() + 300
-        while not manifest.exists():
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint in 300 s"
-            time.sleep(0.2)
-        rollout_pid = json.loads((run_dir / "engines.json").read_text())["rollout"]["pid"]
-        os.kill(rollout_pid, signal.SIGKILL)  # the stream keeps it generating: killed mid-generation
-        output = proc.communicate(timeout=600)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
+    run_killing_engine(tmp_path, "configs/tiny.yaml", overrides, run_dir / "checkpoints" / "step_000002" / "MANIFEST.json")
     client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
     [run] = client.search_runs(client.get_experiment_by_name("rollflow").experiment_id)
     restarts = _history(run_dir, run.info.run_id, "async/engine_restarts")
