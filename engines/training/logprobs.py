@@ -1,9 +1,9 @@
 """Per-token log-probabilities (policy) and values (critic) of given sequences, shared by the training and
 reference engines. Both are aligned with ``input_ids``: entry ``t`` is computed from tokens ``< t``.
 
-``packed_token_logprobs`` is the padding-free form: sequences are packed into rows of the batch's longest
-length (first-fit decreasing), each restarting its position ids so attention stays within it, and the
-LM head runs only at the positions whose next token is needed (the response tokens).
+``packed_token_logprobs`` is the padding-free form: sequences are packed into rows (first-fit decreasing,
+rows about two sequences wide: ``pack_width``), each restarting its position ids so attention stays within it,
+and the LM head runs only at the positions whose next token is needed (the response tokens).
 
 Both forms compute one log-softmax over the vocabulary (``VocabLogprobs``); ``token_outputs`` derives from
 it what a loss asks for (``FORWARD_OUTPUTS``): the sampled token's log-prob, the entropy, whether the
@@ -185,10 +185,36 @@ def _prompt_segments(input_ids: torch.Tensor, lengths: list[int], prompt_lengths
     return segments
 
 
-def _place_segments(sizes: list[int]) -> tuple[int, list[tuple[int, int]], list[int]]:
-    """First-fit decreasing of segments of ``sizes`` tokens into rows as wide as the largest: the width,
-    each segment's ``(packed row, offset)`` and the room left at the end of each packed row."""
-    width = max(sizes)
+def attention_cost(config) -> float | None:
+    """The row width ``c`` at which a token's attention in a decoder layer costs as much as its linear layers
+    (None when the config does not say): attention reads the whole row, ``4 W h`` FLOPs a token for width
+    ``W`` and hidden size ``h``, against ``2 (4 h² + 3 h f)`` for the projections and an MLP of width ``f``,
+    so ``c = 2 h + 1.5 f``."""
+    config = getattr(config, "text_config", None) or config
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(hidden, int):
+        return None
+    mlp = getattr(config, "intermediate_size", None)
+    return 2 * hidden + 1.5 * (mlp if isinstance(mlp, int) else 4 * hidden)
+
+
+def pack_width(longest: int, cost: float | None) -> int:
+    """The width of packed rows for segments of at most ``longest`` tokens. Rows as wide as the longest segment
+    fit one segment each when the lengths are alike (no less padding than a padded batch); wider rows let
+    first-fit fill them, but each token then attends over the whole row (a dense mask on the CPU and with
+    SDPA), and its softmax and mask work grow with the width faster than the FLOPs say. So: twice the longest
+    segment, which already fills rows of alike lengths, and at most ``cost / 8`` (``attention_cost``);
+    ``longest`` alone without a cost."""
+    return longest if not cost else max(longest, min(2 * longest, int(cost / 8)))
+
+
+def _place_segments(sizes: list[int], width: int | None = None) -> tuple[int, list[tuple[int, int]], list[int]]:
+    """First-fit decreasing of segments of ``sizes`` tokens into rows ``width`` wide (default: the largest
+    segment's): the width, each segment's ``(packed row, offset)`` and the room left at the end of each
+    packed row."""
+    width = max(sizes) if width is None else width
+    if width < max(sizes):
+        raise ValueError(f"packed rows of width {width} cannot hold a segment of {max(sizes)} tokens")
     free: list[int] = []
     place = [(0, 0)] * len(sizes)
     for s in sorted(range(len(sizes)), key=lambda s: -sizes[s]):
@@ -212,8 +238,9 @@ def _allowed_attention(segment_of: torch.Tensor, branch: torch.Tensor) -> torch.
 
 def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed: torch.Tensor,
                    pad_token_id: int = 0, share_prefixes: bool = False,
-                   dtype: torch.dtype = torch.float32) -> PackedSequences:
-    """Pack the rows of a left-aligned batch (first-fit decreasing into rows of its longest segment).
+                   dtype: torch.dtype = torch.float32, cost: float | None = None) -> PackedSequences:
+    """Pack the rows of a left-aligned batch (first-fit decreasing into rows of ``pack_width`` of its longest
+    segment and the model's ``attention_cost``, ``cost``; of its longest segment without one).
 
     ``needed`` [B, L] marks the tokens whose log-probability is wanted (column 0 never is). With
     ``share_prefixes``, rows whose tokens before their first needed one are identical (a GRPO group's
@@ -225,7 +252,8 @@ def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor, needed
     lengths = attention_mask.sum(-1).tolist()
     prefix_lengths = torch.where(needed.any(-1), needed.int().argmax(-1), 0).tolist()
     segments = _prompt_segments(input_ids, lengths, prefix_lengths, share_prefixes)
-    width, place, free = _place_segments([prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in segments])
+    sizes = [prefix + sum(lengths[i] - prefix for i in rows) for prefix, rows in segments]
+    width, place, free = _place_segments(sizes, pack_width(max(sizes), cost))
     # where each row's tokens go: its segment's prefix at the segment's start, its own tokens after those
     # of the segment's rows before it. Per-row integers here, then one scatter per tensor: placing the
     # tokens one slice at a time would cost a train step milliseconds of Python
@@ -287,7 +315,8 @@ def packed_vocab_logprobs(
     """The tempered log-softmax at the ``needed`` positions only, computed on packed rows without padding,
     the LM head run at those positions alone; with ``share_prefixes``, rows with one prompt share it (see
     ``pack_sequences``). Same values as ``padded_vocab_logprobs`` there up to float rounding."""
-    packed = pack_sequences(input_ids, attention_mask, needed, share_prefixes=share_prefixes, dtype=model.dtype)
+    packed = pack_sequences(input_ids, attention_mask, needed, share_prefixes=share_prefixes, dtype=model.dtype,
+                            cost=attention_cost(model.config))
     # without a mask, transformers tells the packed sequences apart by their restarting positions
     hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                  attention_mask=packed.attention_mask, use_cache=False).last_hidden_state

@@ -545,3 +545,25 @@ def test_zero_advantage_rows_are_skipped_with_the_same_loss_and_gradient(tiny_mo
         assert a.grad is not None and (a.grad - b.grad).abs().max() < 1e-6, name
     # with an entropy bonus a zero-advantage row has a gradient: nothing is skipped
     assert engines[0].train_step(batch, PolicyObjective(agg=agg, entropy_coef=0.01))["train/skipped_rows"] == 0
+
+
+def test_packed_rows_are_twice_the_longest_segment_within_the_attention_cost():
+    from transformers import Qwen2Config
+
+    from engines.training.logprobs import attention_cost, pack_width
+
+    config = Qwen2Config(hidden_size=256, intermediate_size=1024)
+    assert attention_cost(config) == 2 * 256 + 1.5 * 1024  # 2048: attention per token = linear layers at W = c
+    assert pack_width(26, 2048) == 52 and pack_width(200, 2048) == 256 and pack_width(300, 2048) == 300
+    assert pack_width(26, None) == 26 and attention_cost(object()) is None
+    # alike lengths (15-26 tokens): one per row at the longest's width, packed two or three a row at twice it
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(15, 27, (64,), generator=gen)
+    lengths[0] = 26
+    mask = (torch.arange(26) < lengths[:, None]).long()
+    ids, needed = torch.randint(2, 30, (64, 26), generator=gen) * mask, mask.float()
+    narrow, wide = pack_sequences(ids, mask, needed), pack_sequences(ids, mask, needed, cost=2048)
+    assert narrow.input_ids.shape == (64, 26) and wide.input_ids.shape[1] == 52
+    tokens = int(mask.sum())  # 1309 of 1664 padded positions
+    assert narrow.input_ids.numel() == 1664 and wide.input_ids.numel() < 1.12 * tokens  # 1456: 11% padding, not 27%
+    assert (wide.input_ids != 0).sum() == (ids != 0).sum()
