@@ -10,12 +10,12 @@ gives it (``reward_options``; each must have a default). It returns one float pe
 Register one with ``@REWARDS.register("name")``; a duplicate name is an error and ``get_reward`` of an
 unknown name lists the registered ones. A function of your own needs no registration: name it by import
 path, ``"package.module:function"``. It is imported where rewards run (the reward workers), so the module
-must be importable there: on a local Ray cluster the driver's working directory is on the workers' path; on
-a cluster you join, install it or ship it with the job's ``runtime_env``. A reward whose first calls in a process are slow (parsers built
-on first use) may also register a warm-up, ``WARM_UPS["name"] = fn``, which reward workers run when
-they start, so a run's first steps do not pay it. The scoring runner (``engines.rewards.runner``) calls a reward
-on small chunks of samples with a timeout: an exception or a timeout scores the chunk 0.0 and is counted,
-so one bad completion or a buggy reward never stops a run.
+must be importable there: on a local Ray cluster the driver's working directory is on the workers' path;
+on a cluster you join, install it or ship it with the job's ``runtime_env``. A reward whose first calls in
+a process are slow (parsers built on first use) may also register a warm-up, ``WARM_UPS["name"] = fn``,
+which reward workers run when they start, so a run's first steps do not pay it. The scoring runner
+(``engines.rewards.runner``) calls a reward on small chunks of samples with a timeout: an exception or a
+timeout scores the chunk 0.0 and is counted, so one bad completion or a buggy reward never stops a run.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def get_reward(name: str) -> RewardFn:
     if ":" not in name:
         return REWARDS.get(name)
     module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"reward {name!r} is not 'package.module:function'")
     try:
         fn = importlib.import_module(module_name)
         for part in attribute.split("."):
@@ -53,7 +55,7 @@ def get_reward(name: str) -> RewardFn:
     except (ImportError, AttributeError) as error:
         raise ValueError(f"reward {name!r} does not import ({type(error).__name__}: {error}); a reward by path is "
                          "'package.module:function', importable from the working directory or an installed package") from None
-    if not callable(fn) or not module_name or not attribute:
+    if not callable(fn):
         raise ValueError(f"reward {name!r} is not a function: a reward by path is 'package.module:function'")
     return fn
 

@@ -68,6 +68,7 @@ def test_unknown_registry_names_and_options_are_rejected():
     assert "reward 'engines.rewards:no_such_fn' does not import (AttributeError" in _error(
         None, ["reward.name=engines.rewards:no_such_fn"])
     assert "reward 'engines.rewards:REWARDS' is not a function" in _error(None, ["reward.name=engines.rewards:REWARDS"])
+    assert "reward ':score' is not 'package.module:function'" in _error(None, ["reward.name=:score"])
 
 
 def test_a_reward_by_import_path_loads_and_its_options_are_checked():
