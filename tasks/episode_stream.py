@@ -177,14 +177,6 @@ class EpisodeStream(ReplacesDeadEngines):
             return None
         return engine
 
-    def _lost(self, engine) -> None:
-        """``engine`` died: the groups it ran are run again (the same group numbers, so the same seeds), and
-        its replica waits for a new engine."""
-        with self._lock:
-            self._mark_dead(engine)
-            lost = [g for g in self.running if g.engine is engine]
-            for group in lost:
-                self.running.remove(group)
-                self.bound.release()
-            self.rerun = sorted(self.rerun + [g.index for g in lost])
-        self._loop.notify()
+    def _take_back(self, groups: list[EpisodeGroup]) -> None:
+        """Groups whose engine died run again first, under the same group numbers (so the same seeds)."""
+        self.rerun = sorted(self.rerun + [g.index for g in groups])

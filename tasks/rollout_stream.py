@@ -219,17 +219,9 @@ class RolloutStream(ReplacesDeadEngines):
         self._lost(unit.engine)
         return True
 
-    def _lost(self, engine) -> None:
-        """``engine`` died: its groups go back to the queue, and its replica waits for a new engine (unless
-        it has one already: a late report of an engine replaced before)."""
-        with self._lock:
-            self._mark_dead(engine)
-            lost = [u for u in self.running if u.engine is engine]
-            for u in lost:
-                self.running.remove(u)
-                self.bound.release()
-            self.queue[:0] = [Unit(u.index, u.domain, u.row) for u in lost]
-        self._loop.notify()
+    def _take_back(self, units: list[Unit]) -> None:
+        """Groups whose engine died go back to the front of the queue."""
+        self.queue[:0] = [Unit(u.index, u.domain, u.row) for u in units]
 
     def _abort_stale(self) -> None:
         """Groups still generating with weights older than the next batch may take: their prompts are drawn

@@ -47,27 +47,34 @@ class StreamLoop:
 
 
 class ReplacesDeadEngines:
-    """A stream's handling of rollout engines whose actor dies. The stream's ``_lost(engine)`` takes the
-    groups that engine was running back to be run again and calls ``_mark_dead``; the flow's thread then
+    """A stream's handling of rollout engines whose actor dies. ``_lost(engine)`` marks its replicas dead and
+    hands the groups that engine was running back to the stream (``_take_back``); the flow's thread then
     replaces the dead replicas (``replace_dead(i)``: a new engine, given the trainer's weights) while it
     waits for a batch or before a sync, when the trainer is idle, so the new engine gets exactly the weights
     of the version it is labelled with. The stream has ``engines`` (``rollouts``: one handle per replica),
-    ``_lock``, ``_loop`` (a ``StreamLoop``), ``bound`` (``engines.staleness.StalenessBound``) and calls
-    ``_init_replacement()``."""
+    ``_lock``, ``_loop`` (a ``StreamLoop``), ``bound`` (``engines.staleness.StalenessBound``), ``running``
+    (units with an ``engine``), defines ``_take_back`` and calls ``_init_replacement()``."""
 
     def _init_replacement(self) -> None:
         self.dead: set[int] = set()  # replicas whose actor died, waiting for a new engine
         self.restarts = 0
 
     def _lost(self, engine) -> None:
-        raise NotImplementedError
+        """``engine`` died: the stream takes back what it ran (``_take_back``) to run it again."""
+        with self._lock:
+            for replica, current in enumerate(self.engines.rollouts):
+                if current is engine:  # none, if it was replaced already: a late report
+                    self.dead.add(replica)
+            lost = [unit for unit in self.running if unit.engine is engine]
+            for unit in lost:
+                self.running.remove(unit)
+                self.bound.release()
+            self._take_back(lost)
+        self._loop.notify()
 
-    def _mark_dead(self, engine) -> None:
-        """The replicas ``engine`` serves wait for a new engine (none, if it was replaced already: a late report);
-        called under ``_lock``."""
-        for replica, current in enumerate(self.engines.rollouts):
-            if current is engine:
-                self.dead.add(replica)
+    def _take_back(self, units: list) -> None:
+        """Units (groups) of ``running`` whose engine died, to run again; called under ``_lock``."""
+        raise NotImplementedError
 
     def _form_batch(self, replace_dead: Callable[[int], None] | None) -> list:
         """The bound's next batch, once one has finished; dead replicas are replaced meanwhile (with
