@@ -9,8 +9,7 @@ conformance suite, ``tests/engines/test_conformance.py``.
 
 from __future__ import annotations
 
-import importlib
-import re
+from engines.registry import DOTTED_PATH, import_path
 
 BACKENDS: dict[str, dict[str, str]] = {
     "rollout": {"hf": "engines.inference.hf:HFInferenceEngine", "vllm": "engines.inference.vllm:VLLMEngine"},
@@ -31,8 +30,6 @@ RANKED: frozenset[str] = frozenset({"engines.training.fsdp2:FSDP2TrainEngine",
 ENVS: dict[str, str] = {"engines.inference.vllm:VLLMEngine": "vllm"}
 """Backends whose actors run in their own virtualenv (``engines.envs``): class path -> env name."""
 
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
-DOTTED_PATH = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*")
 
 
 def check_backend(role: str, name: str) -> str:
@@ -67,8 +64,4 @@ def engine_class(kind: str) -> type:
     role, _, name = kind.partition("/")
     if role not in BACKENDS:
         raise ValueError(f"unknown engine role {role!r} in {kind!r}; roles: {', '.join(sorted(BACKENDS))}")
-    module, _, attribute = check_backend(role, name).partition(":")
-    obj = importlib.import_module(module)
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return import_path(check_backend(role, name))

@@ -5,10 +5,25 @@ A duplicate name is an error at import time; an unknown name lists the valid one
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from typing import Callable, Generic, Iterable, TypeVar
+import re
+from typing import Any, Callable, Generic, Iterable, TypeVar
 
 T = TypeVar("T")
+
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+DOTTED_PATH = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*")
+"""An object named by import path, ``package.module:attribute`` (a backend class, a reward function)."""
+
+
+def import_path(path: str) -> Any:
+    """The object at ``path`` (``DOTTED_PATH``), its module imported now."""
+    module, _, attribute = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 class Registry(Generic[T]):

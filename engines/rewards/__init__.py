@@ -20,12 +20,11 @@ timeout scores the chunk 0.0 and is counted, so one bad completion or a buggy re
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from engines.protocols import RewardFn
-from engines.registry import Registry
+from engines.registry import DOTTED_PATH, Registry, import_path
 
 
 @dataclass
@@ -45,13 +44,10 @@ def get_reward(name: str) -> RewardFn:
     unknown name, ``ValueError`` naming the path for one that does not import or is not callable."""
     if ":" not in name:
         return REWARDS.get(name)
-    module_name, _, attribute = name.partition(":")
-    if not module_name or not attribute:
+    if not DOTTED_PATH.fullmatch(name):
         raise ValueError(f"reward {name!r} is not 'package.module:function'")
     try:
-        fn = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            fn = getattr(fn, part)
+        fn = import_path(name)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"reward {name!r} does not import ({type(error).__name__}: {error}); a reward by path is "
                          "'package.module:function', importable from the working directory or an installed package") from None
