@@ -18,6 +18,7 @@ from engines.scoring import summarize
 from engines.staleness import StalenessBound, version_lag_metrics
 from tasks.score import ScoredBatch
 from tasks.stream_loop import ReplacesDeadEngines, StreamLoop
+from tasks.sync import QueuedWeightSync
 
 
 @dataclass
@@ -87,6 +88,8 @@ class RolloutStream(ReplacesDeadEngines):
         self.queue: list[Unit] = []  # drawn, not started (requeued ones first)
         self.running: list[Unit] = []
         self._init_replacement()
+        if self.partial == "wait" and cfg.model.lora is None:  # an engine runs its calls one at a time, in order
+            self.queued_sync = QueuedWeightSync(engines.trainer, cfg.sync.bucket_mb)
         self._units = 0
         self._lock = threading.Lock()
         self._loop = StreamLoop("rollout stream", self._round)
@@ -130,7 +133,9 @@ class RolloutStream(ReplacesDeadEngines):
             return dict(self.positions), len(self.queue) + len(self.running) + len(self.bound.finished)
 
     def close(self) -> None:
+        """Stop the rollout thread; the last weight sync, if queued, is confirmed."""
         self._loop.close()
+        self.confirm_sync()
 
     # -- the rollout thread ------------------------------------------------------------------------------
     def _round(self) -> None:

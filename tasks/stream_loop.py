@@ -109,14 +109,21 @@ class ReplacesDeadEngines:
         with self._lock:
             return set(self.dead)
 
+    queued_sync = None  # a tasks.sync.QueuedWeightSync: syncs go into the engines' call queues, not waited for
+
     def sync(self, sync: Callable[[list, int], None], version: int, replace_dead: Callable[[int], None]) -> None:
-        """``sync(engines, version)`` to every rollout engine; an engine that dies before or during it is
-        replaced (``replace_dead``) and the sync done again, so the run goes on with a new engine. Calls sent
-        from then on start with ``version``."""
+        """``sync(engines, version)`` to every rollout engine (with ``queued_sync``: the sync before confirmed,
+        this one sent and not waited for); an engine that dies before or during it is replaced (``replace_dead``)
+        and the sync done again, so the run goes on with a new engine. Calls sent from then on start with
+        ``version``."""
         for _ in range(2 * len(self.engines.rollouts) + 1):
+            self.confirm_sync()
             self.replace(self.dead_replicas(), replace_dead)
             try:
-                sync(self.engines.rollouts, version)
+                if self.queued_sync is not None:
+                    self.queued_sync.send(self.engines.rollouts, version)
+                else:
+                    sync(self.engines.rollouts, version)
                 break
             except ray.exceptions.RayActorError as error:
                 died = [e for e in self.engines.rollouts if e._actor_id.hex() == error.actor_id]
@@ -127,3 +134,10 @@ class ReplacesDeadEngines:
             raise RuntimeError(f"rollout engines kept dying during the weight sync of v{version}")
         with self._lock:
             self.engine_version = version
+
+    def confirm_sync(self) -> None:
+        """Wait for the queued sync, if any, and check it; engines that died before their load are marked
+        dead (``_lost``), to be replaced."""
+        if self.queued_sync is not None:
+            for engine in self.queued_sync.confirm():
+                self._lost(engine)

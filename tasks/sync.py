@@ -25,23 +25,25 @@ def sync_weights(train_engine, rollout_engines: list, version: int, bucket_mb: i
     (``update_adapter``, through Ray's object store); the others get the base as above first, once.
     Idempotent (the same weights and version again), so one retry is allowed."""
     if not adapter:
-        return _expect_equal(version, *_sync_whole(train_engine, rollout_engines, version, bucket_mb))
+        return _expect_equal(version, *_sync_whole(train_engine, rollout_engines, version, bucket_mb)[:2])
     update_ref = train_engine.export_adapter.remote(version, bucket_mb << 20)
     expected = ray.get(train_engine.weights_checksum.remote())
     reports = ray.get([engine.update_adapter.remote(update_ref) for engine in rollout_engines])
     baseless = [i for i, report in enumerate(reports) if report is None]
     if baseless:  # the base once, then the adapter
-        _expect_equal(version, *_sync_whole(train_engine, [rollout_engines[i] for i in baseless], version, bucket_mb))
+        _expect_equal(version, *_sync_whole(train_engine, [rollout_engines[i] for i in baseless], version, bucket_mb)[:2])
         for i, report in zip(baseless, ray.get([rollout_engines[i].update_adapter.remote(update_ref) for i in baseless])):
             reports[i] = report
     return _expect_equal(version, expected, [report and report.checksum for report in reports])
 
 
-def _sync_whole(train_engine, rollout_engines: list, version: int, bucket_mb: int) -> tuple[str, list]:
+def _sync_whole(train_engine, rollout_engines: list, version: int, bucket_mb: int) -> tuple[str, list, list[str]]:
     """Every weight ``export_weights`` sends to each engine, the fastest way it can take them: the trainer's
-    checksum of what it sent and each engine's of what it holds."""
+    checksum of what it sent, each engine's of what it holds, and the route each took: ``cuda`` (CUDA IPC),
+    ``shared`` (``/dev/shm``) or ``buckets`` (Ray's object store)."""
     cuda = ray.get(train_engine.export_cuda_ipc.remote(version))  # None on CPU
     received = [None] * len(rollout_engines)
+    routes = ["cuda"] * len(rollout_engines)
     if cuda is not None:
         received = ray.get([engine.update_weights_cuda_ipc.remote(cuda) for engine in rollout_engines])
     expected = cuda.checksum if cuda is not None else None
@@ -52,14 +54,85 @@ def _sync_whole(train_engine, rollout_engines: list, version: int, bucket_mb: in
         shared_refs = [rollout_engines[i].update_weights_shared.remote(shared_ref) for i in unreached]
         expected = ray.get(expected_ref)  # first: a copy that failed raises here, not after the engines time out
         for i, checksum in zip(unreached, ray.get(shared_refs)):
-            received[i] = checksum
+            received[i], routes[i] = checksum, "shared"
     unreached = [i for i, checksum in enumerate(received) if checksum is None]
     if unreached:
         buckets_ref = train_engine.export_weights.remote(bucket_mb << 20)
         checksums = ray.get([rollout_engines[i].update_weights.remote(version, buckets_ref) for i in unreached])
         for i, checksum in zip(unreached, checksums):
-            received[i] = checksum
-    return expected, received
+            received[i], routes[i] = checksum, "buckets"
+    return expected, received, routes
+
+
+class QueuedWeightSync:
+    """Weight syncs that the caller does not wait for: each one goes into every rollout engine's call queue,
+    behind the generation calls already there, and the trainer trains on meanwhile. The caller checks it
+    (``confirm``: each engine's checksum against the trainer's) before it sends the next one.
+
+    This is for ``async.partial_rollout: wait`` (``tasks/rollout_stream.py``). There, a rollout engine runs
+    one call at a time, in the order its one caller sent them. So every call sent to an engine after its
+    update runs with the new weights, and the stream labels those calls with the new version at once.
+    The trainer's exports are queued on its actor before anything the flow sends it next, so they copy the
+    weights of this version. A sync is confirmed before the next one is exported. An engine therefore has
+    at most one update queued, and the trainer's shared-memory slot of that version is not reused before
+    the engine has loaded it.
+
+    Each engine takes the route of its last confirmed sync, shared memory or byte buckets. The first sync
+    to an engine (one that replaced a dead engine, too) waits, as ``sync_weights`` does, and finds the
+    route. So does every sync while some engine takes CUDA IPC, whose export buffer the next export reuses.
+    An engine that finds its route closed (``None``: e.g. no room left in ``/dev/shm``) keeps its old
+    weights, and the calls labelled with the new version report the version they really ran with
+    (``Rollouts.weights_version``, which the staleness bound and the batch checks use). Its next sync then
+    waits and finds a new route."""
+
+    def __init__(self, train_engine, bucket_mb: int) -> None:
+        self.train_engine, self.bucket_mb = train_engine, bucket_mb
+        self.routes: dict[str, str] = {}  # engine's actor id -> the route of its last confirmed sync
+        self.pending: tuple | None = None  # (version, engines, trainer's checksum ref, engines' checksum refs)
+
+    def send(self, rollout_engines: list, version: int) -> None:
+        """Send the trainer's weights, labelled ``version``, to ``rollout_engines`` without waiting for their
+        loads (unless a route is unknown or CUDA IPC: then as ``sync_weights``). The sync before must have
+        been confirmed."""
+        if self.pending is not None:
+            raise RuntimeError(f"weight sync v{self.pending[0]} is not confirmed yet: confirm() before sending v{version}")
+        routes = [self.routes.get(_actor_id(engine)) for engine in rollout_engines]
+        if any(route not in ("shared", "buckets") for route in routes):
+            expected, received, routes = _sync_whole(self.train_engine, rollout_engines, version, self.bucket_mb)
+            _expect_equal(version, expected, received)
+            self.routes.update((_actor_id(engine), route) for engine, route in zip(rollout_engines, routes))
+            return
+        shared_ref = self.train_engine.export_shared.remote(version)  # the checksum is that of this copy
+        expected_ref = self.train_engine.exported_checksum.remote()
+        buckets_ref = self.train_engine.export_weights.remote(self.bucket_mb << 20) if "buckets" in routes else None
+        received = [engine.update_weights_shared.remote(shared_ref) if route == "shared" else
+                    engine.update_weights.remote(version, buckets_ref) for engine, route in zip(rollout_engines, routes)]
+        self.pending = (version, list(rollout_engines), expected_ref, received)
+
+    def confirm(self) -> list:
+        """Wait for the sync in flight, if any, and check it; returns the engines that died before their load
+        (the caller replaces them). ``WeightSyncError`` if an engine holds other weights than the trainer's."""
+        if self.pending is None:
+            return []
+        version, engines, expected_ref, received_refs = self.pending
+        self.pending = None
+        expected = ray.get(expected_ref)
+        received, died = [], []
+        for engine, ref in zip(engines, received_refs):
+            try:
+                received.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                received.append(expected)  # nothing of it is used: a new engine gets the trainer's weights
+                died.append(engine)
+        for engine, checksum in zip(engines, received):
+            if checksum is None:  # its route closed: it kept its old weights, and its next sync finds a new route
+                self.routes.pop(_actor_id(engine), None)
+        _expect_equal(version, expected, [expected if checksum is None else checksum for checksum in received])
+        return died
+
+
+def _actor_id(engine) -> str:
+    return engine._actor_id.hex()
 
 
 def _expect_equal(version: int, expected: str, received: list) -> str:
