@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -418,6 +419,9 @@ class SharedWeightReader:
     def __init__(self) -> None:
         self._lease: _Lease | None = None
         self._held: SharedWeights | None = None  # the version the parameters view, while they do
+        # a load holds the new version from the moment the parameters view its slot, while the writer may still
+        # be copying into it; a check on another thread (a generate call ending) waits for the load to end
+        self._lock = threading.RLock()
         self._maps: dict[str, torch.Tensor] = {}
         # per slot: the layout last read from it, its tensor views and their bytes (numpy slices to hash)
         self._views: dict[str, tuple[tuple[TensorMeta, ...], dict[str, torch.Tensor], list[np.ndarray]]] = {}
@@ -427,6 +431,10 @@ class SharedWeightReader:
         their ``weights_checksum``. Views are hashed as soon as the writer's header shows their bytes
         written, so hashing follows the copy; copies wait for the whole slot. ``TimeoutError`` after
         ``timeout_s`` (default: 10 s plus a second per GB, for a writer that died or failed)."""
+        with self._lock:
+            return self._load(model, shared, timeout_s)
+
+    def _load(self, model: torch.nn.Module, shared: SharedWeights, timeout_s: float | None) -> str:
         if shared.lease_prefix and (self._lease is None or self._lease.prefix != shared.lease_prefix):
             self.close()
             self._lease = _Lease(shared.lease_prefix)
@@ -505,27 +513,23 @@ class SharedWeightReader:
 
     def check(self) -> None:
         """Raise if the slot the parameters view no longer holds their version (the writer overwrote it:
-        what was computed with them mixed two versions)."""
-        while True:
+        what was computed with them mixed two versions). Waits for a load in progress."""
+        with self._lock:
             held = self._held
             if held is None:
                 return
             found = int(self._maps[held.path][:8].numpy().view(np.int64)[0])
-            # another thread may load a newer version meanwhile: the old one's lease then ends, and its slot
-            # may take a new version before ``found`` was read. What was read counts only while ``held`` is
-            # still held (it is leased until ``_hold`` replaces it, so ``found`` then belongs to it)
-            if self._held is held:
-                break
-        if found != held.version:
-            lease = "no lease" if self._lease is None else f"lease [held, loading] {self._lease.versions.tolist()}"
-            raise RuntimeError(f"weights v{held.version} in {held.path} were overwritten "
-                               f"({'being written' if found < 0 else f'now v{found}'}) while this engine used them "
-                               f"({lease})")
+            if found != held.version:
+                lease = "no lease" if self._lease is None else f"lease [held, loading] {self._lease.versions.tolist()}"
+                raise RuntimeError(f"weights v{held.version} in {held.path} were overwritten "
+                                   f"({'being written' if found < 0 else f'now v{found}'}) while this engine used them "
+                                   f"({lease})")
 
     def close(self) -> None:
         """Release the lease (the parameters must no longer view the slots)."""
-        self._held = None
-        if self._lease is not None:
-            self._lease.close()
-            self._lease = None
+        with self._lock:
+            self._held = None
+            if self._lease is not None:
+                self._lease.close()
+                self._lease = None
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -392,33 +394,41 @@ def test_weights_overwritten_under_a_receiver_fail_its_check_and_its_next_load()
         reader.close()
 
 
-def test_a_check_that_races_a_load_judges_the_version_held_after_it_not_a_released_one():
-    """A generate thread's ``check`` reads the held version, then the slot's header. A load on another thread
-    between the two releases the old version, and the writer may then reuse its slot: the header read
-    belongs to no version held, and the check looks again instead of failing."""
+def test_a_check_during_a_load_waits_for_it_instead_of_judging_a_slot_still_being_written():
+    """A generate call that ends while a weight update loads (``partial_rollout: keep``) checks its slot on
+    its own thread. The load holds the new version as soon as the parameters view its slot, while the
+    writer may still be copying into it (header [0] is -1 until the copy ends): the check waits for the load
+    instead of calling the slot overwritten."""
     writer, reader, receiver = SharedWeightWriter("test-race"), SharedWeightReader(), _receiver()
     try:
-        reader.load(receiver, writer.write(1, _weights(1).items(), "local"))  # slot 0
-
-        class LoadsBetweenTheTwoReads(dict):
-            raced = False
-
-            def __getitem__(self, path):
-                if not self.raced:  # after check() read the held version (v1), before it reads v1's slot
-                    self.raced = True
-                    reader.load(receiver, writer.write(2, _weights(2).items(), "local"))  # slot 1; v1 released
-                    assert _slot_of(writer.write(3, _weights(3).items(), "local")) == 0  # v1's slot reused
-                return super().__getitem__(path)
-
-        reader._maps = LoadsBetweenTheTwoReads(reader._maps)
-        reader.check()
-        assert reader._maps.raced and reader._held.version == 2
-        writer.write(4, _weights(4).items(), "local")  # into v2's slot, which its receiver still leases: not
-        reader.check()                                  # allowed, so the writer took v3's slot instead
+        reader.load(receiver, writer.write(1, _weights(1).items(), "local"))
+        shared = writer.write(2, _weights(2).items(), "local")
+        header = writer._slots[_slot_of(shared)][:8].numpy().view(np.int64)
+        header[0] = -1  # the writer's copy has not ended yet
+        load = threading.Thread(target=reader.load, args=(receiver, shared))
+        load.start()
+        while reader._held is not shared:  # the parameters view v2's slot; the load waits for the copy
+            time.sleep(1e-3)
+        errors = []
+        check = threading.Thread(target=lambda: _raised(reader.check, errors))
+        check.start()
+        check.join(timeout=0.2)
+        assert check.is_alive() and not errors  # waiting for the load, not judging the slot
+        header[0] = 2  # the copy ends
+        load.join(timeout=10)
+        check.join(timeout=10)
+        assert not load.is_alive() and not check.is_alive() and errors == []
         assert receiver["weight"].detach()[0, 0].item() == 2.0
     finally:
         writer.close()
         reader.close()
+
+
+def _raised(call, errors: list) -> None:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 (the test asserts there is none)
+        errors.append(error)
 
 
 def test_slots_run_out_only_when_receivers_hold_every_one_and_dead_leases_do_not_count():
