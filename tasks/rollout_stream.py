@@ -62,11 +62,11 @@ class RolloutStream(ReplacesDeadEngines):
 
     A thread of the flow's process keeps at most ``in_flight`` generation calls per rollout replica queued,
     each of up to ``groups_per_call`` groups (``stream_calls``: a batch, one call generating while the next
-    waits, so a weight sync waits behind one call at most; or one group per call, calls sharing vLLM's
-    batches); each group is scored by a reward worker as soon as its call returns. With
-    ``async.partial_rollout`` keep or abort, generation runs in the engine's ``generate``
-    concurrency group, so a weight sync lands between two of its decoding steps (``SamplingParams.on_weight_update``);
-    an aborted group is drawn again. ``engines.staleness.StalenessBound`` admits groups and forms batches within
+    waits; or one group per call, calls sharing vLLM's batches); each group is scored by a reward worker as
+    soon as its call returns. With ``async.partial_rollout: wait`` a weight sync is queued behind the calls
+    sent before it and not waited for (``tasks.sync.QueuedWeightSync``). With keep or abort, generation runs
+    in the engine's ``generate`` concurrency group, so a weight sync lands between two of its decoding steps
+    (``SamplingParams.on_weight_update``); an aborted group is drawn again. ``engines.staleness.StalenessBound`` admits groups and forms batches within
     ``async.max_staleness`` versions; groups too old to train are dropped and their prompts drawn again. A
     replica whose actor dies is marked; its groups go back to the queue and the flow replaces it
     (``replace_dead``) while the trainer is idle, so the new engine gets exactly the trainer's weights.
