@@ -66,10 +66,11 @@ class RolloutStream(ReplacesDeadEngines):
     soon as its call returns. With ``async.partial_rollout: wait`` a weight sync is queued behind the calls
     sent before it and not waited for (``tasks.sync.QueuedWeightSync``). With keep or abort, generation runs
     in the engine's ``generate`` concurrency group, so a weight sync lands between two of its decoding steps
-    (``SamplingParams.on_weight_update``); an aborted group is drawn again. ``engines.staleness.StalenessBound`` admits groups and forms batches within
-    ``async.max_staleness`` versions; groups too old to train are dropped and their prompts drawn again. A
-    replica whose actor dies is marked; its groups go back to the queue and the flow replaces it
-    (``replace_dead``) while the trainer is idle, so the new engine gets exactly the trainer's weights.
+    (``SamplingParams.on_weight_update``); an aborted group is drawn again. ``engines.staleness.StalenessBound``
+    admits groups and forms batches within ``async.max_staleness`` versions; groups too old to train are
+    dropped and their prompts drawn again. A replica whose actor dies is marked; its groups go back to the
+    queue and the flow replaces it (``replace_dead``) while the trainer is idle, so the new engine gets
+    exactly the trainer's weights.
 
     Not deterministic: which groups form a batch depends on timing. A checkpoint saves the data position
     after every group drawn; the groups drawn and not yet trained then are lost on a resume, and counted
