@@ -1,6 +1,6 @@
 """SFT and DPO train tokens/s: RollFlow's torch engine against TRL's SFTTrainer and DPOTrainer, in one run.
 
-    python bench/post_training.py        # prints its figures; last line RESULT {json}
+    python bench/post_training.py [vocab=N]       # prints its figures; last line RESULT {json}
 
 Both sides start from the same model (``SHAPE``, built offline from seed 0) and train on the same token
 rows in the same batches: ``engines.data.synthetic``'s letter-reversal task (``sft_task``,
@@ -17,6 +17,11 @@ clip 1, no gradient checkpointing, one optimizer step per batch. RollFlow's engi
   ``train_step(batch, DPOObjective())``; the engine packs a pair's two rows around one copy of their
   prompt. TRL with ``precompute_ref_log_probs=True`` (the same one reference pass, in its constructor) and
   with ``False`` (a reference forward in every step, TRL's default).
+
+``vocab=N`` pads the model's (tied) embedding to ``N`` rows, as real checkpoints pad theirs past the
+tokenizer: the rows never occur in the data, but every LM-head call computes their logits. The locally
+trained tokenizer has 58 tokens, so by default the LM head is 0.4% of the model's parameters; in real
+models it is 10-40% (Qwen2.5-0.5B: 136M of 494M, 28%). The run prints the share it measured at.
 
 The floor, printed beside the SFT figures: the same steps as a bare loop of the HF model's forward on the
 padded rows with its own loss, ``backward``, clip and fused AdamW (``PlainLoop``), no trainer around it.
@@ -51,9 +56,10 @@ GOAL = 2.0  # RollFlow's tokens/s over TRL's: half TRL's time or better
 
 
 def build(out_dir: str, steps: int = STEPS, sft_rows: int = SFT_ROWS, pairs: int = DPO_PAIRS,
-          shape: dict = SHAPE) -> tuple[str, list, list]:
-    """The model, built from seed 0 with a tokenizer trained on the task's texts, and ``steps`` batches of
-    encoded SFT rows and preference pairs: ``(model path, EncodedRow list, EncodedPair list)``."""
+          shape: dict = SHAPE, vocab: int | None = None) -> tuple[str, list, list]:
+    """The model, built from seed 0 with a tokenizer trained on the task's texts (its embedding padded to
+    ``vocab`` rows when given), and ``steps`` batches of encoded SFT rows and preference pairs:
+    ``(model path, EncodedRow list, EncodedPair list)``."""
     from transformers import AutoTokenizer
 
     from engines.data.chat import encode_preferences, encode_sft
@@ -63,12 +69,35 @@ def build(out_dir: str, steps: int = STEPS, sft_rows: int = SFT_ROWS, pairs: int
     sft, preferences = sft_task(steps * sft_rows, seed=0), preference_task(steps * pairs, seed=1)
     spec = TinyModelSpec(**shape, max_position_embeddings=256)
     model = str(build_tiny_model(Path(out_dir) / "model", texts_for_tokenizer(sft + preferences), spec, seed=0))
+    if vocab is not None:
+        _pad_vocabulary(model, vocab)
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows, rejected = encode_sft(tokenizer, sft, max_length=256)
     encoded_pairs, rejected_pairs = encode_preferences(tokenizer, preferences, max_length=256)
     if rejected.total or rejected_pairs.total:
         raise RuntimeError(f"SFT {rejected.summary()}; DPO {rejected_pairs.summary()}")
     return model, rows, encoded_pairs
+
+
+def _pad_vocabulary(model_dir: str, rows: int) -> None:
+    """Pad the model's embedding (tied to its LM head) to ``rows`` rows, the new ones drawn from seed 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model.resize_token_embeddings(rows, mean_resizing=False)
+    model.save_pretrained(model_dir, safe_serialization=True)
+
+
+def lm_head_share(model_dir: str) -> float:
+    """The LM head's share of the model's parameters (tied: counted once, as the head)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.get_output_embeddings().weight.numel() / sum(p.numel() for p in model.parameters())
 
 
 def write_rows(path: Path, model: str, rows: list, pairs: list) -> None:
@@ -262,17 +291,22 @@ def _in_turn(*sides):
     return lambda i: [side(i) for side in sides]
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     import torch
 
+    args = dict(a.split("=", 1) for a in argv)
+    vocab = int(args["vocab"]) if "vocab" in args else None
     torch.set_num_threads(2)
     started = time.perf_counter()
     out = Path(scratch_dir("post-training"))
-    model, rows, pairs = build(str(out), STEPS, SFT_ROWS, DPO_PAIRS, SHAPE)
+    model, rows, pairs = build(str(out), STEPS, SFT_ROWS, DPO_PAIRS, SHAPE, vocab)
     rows_file = out / "rows.json"
     write_rows(rows_file, model, rows, pairs)
-    print(f"model {SHAPE}, {STEPS} steps ({WARMUP} warm-up), SFT {SFT_ROWS} rows a step, DPO {DPO_PAIRS} pairs; "
-          "each step of every side in turn", flush=True)
+    from transformers import AutoConfig
+
+    print(f"model {SHAPE}, vocabulary {AutoConfig.from_pretrained(model).vocab_size} (LM head "
+          f"{lm_head_share(model):.1%} of the parameters), {STEPS} steps ({WARMUP} warm-up), SFT {SFT_ROWS} rows "
+          f"a step, DPO {DPO_PAIRS} pairs; each step of every side in turn", flush=True)
 
     peers = {f"padding_free={flag}": TRLPeer(model, rows_file, "sft", STEPS, SFT_ROWS, padding_free=int(flag))
              for flag in (True, False)}
@@ -301,4 +335,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
