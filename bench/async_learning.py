@@ -19,7 +19,6 @@ The table prints every difference, above and below. A 200-step run took about 40
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -70,11 +69,7 @@ def paired(diffs: list[float]) -> tuple[float, float]:
 
 
 def main(argv: list[str]) -> dict:
-    for key, value in {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                       "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}.items():
-        os.environ.setdefault(key, value)
-    from bench.common import result_line, scratch_dir
-    from flows.setup import ensure_ray, start_prefect_server
+    from bench.common import result_line, scratch_dir, start_flow_services
 
     args = dict(a.split("=", 1) for a in argv)
     args = {"seeds": int(args.get("seeds", 8)), "steps": int(args.get("steps", 200)),
@@ -84,8 +79,7 @@ def main(argv: list[str]) -> dict:
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
     scratch = scratch_dir("async-learning")
-    ensure_ray()
-    start_prefect_server()
+    start_flow_services()
     started = time.perf_counter()
     model = sft_model(scratch)
     print(f"SFT warm start in {time.perf_counter() - started:.0f} s; {args['seeds']} seeds x {args['steps']} steps, "

@@ -25,7 +25,6 @@ line: ``async_full_speedup <full (η = 2, else the best full mode) samples/s ÷ 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -78,22 +77,17 @@ def run_mode(mode: str, scratch: str, model_dir: str, args: dict) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    for key, value in {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                       "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}.items():
-        os.environ.setdefault(key, value)
-    from bench.common import arithmetic_rows, build_model, result_line, scratch_dir
-    from flows.setup import ensure_ray, start_prefect_server
+    from bench.common import arithmetic_rows, build_model, result_line, scratch_dir, start_flow_services
 
     args = dict(a.split("=", 1) for a in argv)
     args = {"steps": int(args.get("steps", 20)), "prompts": int(args.get("prompts", 8)),
             "max_new_tokens": int(args.get("max_new_tokens", 64)), "size": args.get("size", "bench"),
             "engine": args.get("engine", "hf"), "ppo_epochs": int(args.get("ppo_epochs", 1)),
             "modes": ["off", *(m for m in args.get("modes", ",".join(MODES)).split(",") if m != "off")]}
+    start_flow_services()
     scratch = scratch_dir("async")
     train, _ = arithmetic_rows()
     model_dir = build_model(args["size"], f"{scratch}/model", train, max_positions=128)
-    ensure_ray()
-    start_prefect_server()
     print(f"{args['steps']} steps of {args['prompts']} x 8 completions, <= {args['max_new_tokens']} tokens (stop at "
           f"{STOPS}), model size {args['size']}, rollout engine {args['engine']}, torch_threads 1 per engine, "
           f"ppo_epochs {args['ppo_epochs']}")

@@ -88,3 +88,15 @@ def read_result(stdout: str) -> dict:
     if not lines:
         raise RuntimeError("benchmark printed no RESULT line:\n" + stdout[-4000:])
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def start_flow_services() -> None:
+    """What a benchmark of the real flow needs in this process: quiet Prefect, transformers and tokenizers
+    (unless set already), a local Ray cluster and a Prefect server."""
+    for key, value in {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                       "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}.items():
+        os.environ.setdefault(key, value)
+    from flows.setup import ensure_ray, start_prefect_server
+
+    ensure_ray()
+    start_prefect_server()
