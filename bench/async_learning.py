@@ -74,8 +74,10 @@ def main(argv: list[str]) -> dict:
 
     overrides = [a for a in argv if "." in a.split("=", 1)[0]]
     args = dict(a.split("=", 1) for a in argv if a not in overrides)
-    if set(args) - {"seeds", "steps", "modes", "old_logprobs", "correction"}:
-        raise SystemExit(f"unknown arguments {sorted(set(args) - {'seeds', 'steps', 'modes', 'old_logprobs', 'correction'})}")
+    unknown = set(args) - {"seeds", "steps", "modes", "old_logprobs", "correction"}
+    if unknown:
+        raise SystemExit(f"unknown arguments {sorted(unknown)}; known: seeds, steps, modes, old_logprobs, correction, "
+                         "and section.key=value overrides")
     args = {"seeds": int(args.get("seeds", 8)), "steps": int(args.get("steps", 200)),
             "modes": ["off", *(m for m in args.get("modes", ",".join(MODES)).split(",") if m != "off")],
             "old_logprobs": args.get("old_logprobs", "rollout"), "correction": args.get("correction", ""),
