@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MODES = {"off": ["async.mode=off"], "one_step": ["async.mode=one_step"],
          "full_eta1": ["async.mode=full", "async.max_staleness=1"],
          "full_eta2": ["async.mode=full", "async.max_staleness=2"]}
+ARGUMENTS = ("seeds", "steps", "modes", "old_logprobs", "correction")
 QUIET = ["tracking.sample_every=0", "tracking.log_model=false", "tracking.register_model=false", "run.torch_threads=1"]
 
 
@@ -74,9 +75,9 @@ def main(argv: list[str]) -> dict:
 
     overrides = [a for a in argv if "." in a.split("=", 1)[0]]
     args = dict(a.split("=", 1) for a in argv if a not in overrides)
-    unknown = set(args) - {"seeds", "steps", "modes", "old_logprobs", "correction"}
+    unknown = set(args) - set(ARGUMENTS)
     if unknown:
-        raise SystemExit(f"unknown arguments {sorted(unknown)}; known: seeds, steps, modes, old_logprobs, correction, "
+        raise SystemExit(f"unknown arguments {sorted(unknown)}; known: {', '.join(ARGUMENTS)}, "
                          "and section.key=value overrides")
     args = {"seeds": int(args.get("seeds", 8)), "steps": int(args.get("steps", 200)),
             "modes": ["off", *(m for m in args.get("modes", ",".join(MODES)).split(",") if m != "off")],
